@@ -1,0 +1,1 @@
+"""faults: fault injection for kvoffload (see faults/plugin.py)."""

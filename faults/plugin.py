@@ -1,0 +1,1 @@
+"""pytest plugin for the faults harness, registered by entry point."""

@@ -1,0 +1,86 @@
+"""DRAM backend: the same contract as ``DiskBackend`` over pinned host slots.
+
+For comparing DRAM offload with disk offload on the same calls. Copies go straight
+between device blocks and the slot rows (no staging): on CUDA they are enqueued on
+the streams and the job's CUDA event is appended at once, as vLLM's DMA backend
+does; on CPU they run inside ``launch_copy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from kvoffload.device import BlockLayout, Device, alloc_host, make_device
+from kvoffload.jobs import check_job
+
+
+class CpuBackend:
+    def __init__(self) -> None:
+        self._pool: Optional[torch.Tensor] = None
+
+    def init(
+        self,
+        gpu_caches: dict[str, torch.Tensor],
+        device: torch.device,
+        load_stream: Any,
+        store_stream: Any,
+        num_slots: int,
+        total_block_bytes: int,
+        *,
+        device_impl: Optional[Device] = None,
+    ) -> None:
+        if self._pool is not None:
+            raise RuntimeError("CpuBackend.init called twice without shutdown")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        layout = BlockLayout.from_caches(gpu_caches)
+        if layout.block_bytes != total_block_bytes:
+            raise ValueError(
+                f"total_block_bytes={total_block_bytes} but the caches hold {layout.block_bytes} bytes per block"
+            )
+        device = torch.device(device)
+        self._dev = device_impl if device_impl is not None else make_device(device)
+        if device.type == "cuda":
+            load_stream = load_stream or torch.cuda.Stream(device, priority=0)
+            store_stream = store_stream or torch.cuda.Stream(device, priority=0)
+        self._streams = {True: store_stream, False: load_stream}
+        self._layout = layout
+        self._num_slots = num_slots
+        flat, self._backing = alloc_host(num_slots * total_block_bytes, 4096)
+        self._dev.pin(flat)
+        self._flat = flat
+        self._pool = flat.view(num_slots, total_block_bytes)
+
+    def launch_copy(
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        is_store: bool,
+        event_idx: int,
+        events_list: list,
+        wait_event: Any = None,
+    ) -> None:
+        if self._pool is None:
+            raise RuntimeError("CpuBackend is not initialised (call init, or it was shut down)")
+        check_job(src_blocks, dst_blocks, is_store, self._layout.num_blocks, self._num_slots)
+        stream = self._streams[is_store]
+        if is_store:
+            ev = self._dev.copy_to_host(stream, self._layout, src_blocks, self._pool, dst_blocks, wait_event)
+        else:
+            ev = self._dev.copy_to_device(stream, self._layout, self._pool, src_blocks, dst_blocks)
+        events_list.append((event_idx, ev))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # DRAM copies fail only with the device, which is fatal
+
+    def get_failed_store_slots(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        if self._pool is None:
+            return
+        self._dev.unpin(self._flat)
+        self._pool = self._flat = self._backing = None

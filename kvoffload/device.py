@@ -1,0 +1,314 @@
+"""The device seam: streams, events, batched block copies and host pinning.
+
+The backend never calls CUDA directly. ``CudaDevice`` drives real streams and
+events; ``CpuDevice`` runs the same pipeline on CPU tensors (CI exercises the real
+file path with it, it is not a mock); kvsim's ``SimDevice`` completes copies on a
+clock the test controls. All three implement ``Device``.
+
+Copies move whole blocks between the device caches and a host buffer viewed as
+``[rows, slot_bytes]``: block ``block_ids[j]`` of every cache tensor lands in row
+``rows[j]`` at that tensor's offset within the slot (the packed slot layout, so
+each slot is one aligned span however odd the per-tensor sizes are).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import numpy as np
+import torch
+
+
+class DeviceEvent(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each cache tensor's block lives, and where it goes in a packed slot."""
+
+    caches: tuple[torch.Tensor, ...]  # int8 [num_blocks, bytes_k] views of the device caches
+    offsets: tuple[int, ...]  # byte offset of cache k inside a slot
+    block_bytes: int  # sum of bytes_k: the payload of one slot
+    num_blocks: int
+
+    @classmethod
+    def from_caches(cls, gpu_caches: dict[str, torch.Tensor]) -> "BlockLayout":
+        if not gpu_caches:
+            raise ValueError("gpu_caches is empty: nothing to offload")
+        views, offsets, total, num_blocks = [], [], 0, None
+        for name, t in gpu_caches.items():
+            if t.dim() < 1 or t.shape[0] == 0:
+                raise ValueError(f"cache {name!r} has shape {tuple(t.shape)}: need [num_blocks, ...]")
+            if num_blocks is not None and t.shape[0] != num_blocks:
+                raise ValueError(
+                    f"cache {name!r} has {t.shape[0]} blocks, others have {num_blocks}"
+                )
+            num_blocks = t.shape[0]
+            bpb = t.stride(0) * t.element_size()
+            # Re-view the storage as int8 [num_blocks, bpb] (as vLLM's worker does):
+            # block i is t[i] with stride(0) * element_size() bytes.
+            byte_off = t.storage_offset() * t.element_size()
+            if byte_off + num_blocks * bpb > t.untyped_storage().nbytes():
+                raise ValueError(f"cache {name!r}: {num_blocks} blocks of {bpb} B overrun its storage")
+            v = torch.empty(0, dtype=torch.int8, device=t.device)
+            v.set_(t.untyped_storage(), byte_off, (num_blocks, bpb), (bpb, 1))
+            views.append(v)
+            offsets.append(total)
+            total += bpb
+        return cls(tuple(views), tuple(offsets), total, int(num_blocks))
+
+
+def alloc_host(nbytes: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``alignment``-aligned uint8 host tensor of ``nbytes`` and its backing allocation.
+
+    The CPU allocator only guarantees 64-byte alignment, and O_DIRECT rejects a
+    buffer that is not aligned to the file system's DIO memory alignment, so we
+    over-allocate and slice (vLLM's ``_alloc_aligned`` does the same).
+    """
+    backing = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    skew = (-backing.data_ptr()) % alignment
+    return backing[skew : skew + nbytes], backing
+
+
+class Device(Protocol):
+    """What the backend needs from a device. Streams may be None on CPU."""
+
+    def bind_thread(self) -> None:
+        """Make this worker thread use the device (CUDA: set the current device)."""
+
+    def pin(self, host: torch.Tensor) -> None:
+        """Page-lock a host buffer for async copies; undone by ``unpin``."""
+
+    def unpin(self, host: torch.Tensor) -> None: ...
+
+    def copy_to_host(
+        self,
+        stream: Any,
+        layout: BlockLayout,
+        block_ids: Sequence[int],
+        host: torch.Tensor,
+        rows: Sequence[int],
+        wait_event: Optional[DeviceEvent] = None,
+    ) -> DeviceEvent:
+        """Copy device blocks into host rows, after ``wait_event``; return the copy's event."""
+
+    def copy_to_device(
+        self,
+        stream: Any,
+        layout: BlockLayout,
+        host: torch.Tensor,
+        rows: Sequence[int],
+        block_ids: Sequence[int],
+    ) -> DeviceEvent:
+        """Copy host rows into device blocks; return the copy's event."""
+
+
+class DoneEvent:
+    """An event that has already happened (synchronous CPU copies)."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+DONE = DoneEvent()
+
+
+class CpuDevice:
+    """CPU tensors stand in for device memory; copies are synchronous."""
+
+    def bind_thread(self) -> None:
+        return None
+
+    def pin(self, host: torch.Tensor) -> None:
+        return None
+
+    def unpin(self, host: torch.Tensor) -> None:
+        return None
+
+    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None) -> DeviceEvent:
+        if wait_event is not None:
+            wait_event.synchronize()
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        rows_t = torch.as_tensor(list(rows), dtype=torch.long)
+        dst = host.view(torch.int8)
+        for cache, off in zip(layout.caches, layout.offsets):
+            b = cache.shape[1]
+            dst[:, off : off + b].index_copy_(0, rows_t, cache.index_select(0, ids))
+        return DONE
+
+    def copy_to_device(self, stream, layout, host, rows, block_ids) -> DeviceEvent:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        rows_t = torch.as_tensor(list(rows), dtype=torch.long)
+        src = host.view(torch.int8)
+        for cache, off in zip(layout.caches, layout.offsets):
+            b = cache.shape[1]
+            cache.index_copy_(0, ids, src[:, off : off + b].index_select(0, rows_t))
+        return DONE
+
+
+# --- CUDA -------------------------------------------------------------------------
+
+_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _CUmemLocation),
+        ("dstLocHint", _CUmemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+def _load_memcpy_batch() -> Optional[Any]:
+    """cuMemcpyBatchAsync with the CUDA 12.8 ABI (the one with failIdx), or None.
+
+    Resolved through cuGetProcAddress at version 12080 so the signature is fixed
+    whatever the driver's own version (CUDA 13 renamed the default to a _v2 ABI
+    without failIdx). Called through ctypes with numpy descriptor arrays: building
+    one Python object per descriptor (cuda.bindings' list API) costs more than the
+    copy for small blocks.
+    """
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        get_proc = libcuda.cuGetProcAddress_v2
+    except (OSError, AttributeError):
+        return None
+    fn = ctypes.c_void_p()
+    status = ctypes.c_int()
+    get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                         ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+    rc = get_proc(b"cuMemcpyBatchAsync", ctypes.byref(fn), 12080, 0, ctypes.byref(status))
+    if rc != 0 or not fn.value:
+        return None
+    proto = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+        ctypes.POINTER(_CUmemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+    )
+    return proto(fn.value)
+
+
+class CudaDevice:
+    """Real CUDA streams and events; one batched driver call per copy where available."""
+
+    def __init__(self, device: torch.device, use_batch_memcpy: bool = True) -> None:
+        self.device = device
+        self._batch = _load_memcpy_batch() if use_batch_memcpy else None
+        self._attr_store = _CUmemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self._attr_load = _CUmemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
+        self._pinned: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def batched(self) -> bool:
+        return self._batch is not None
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def pin(self, host: torch.Tensor) -> None:
+        # cudaHostRegister pins exactly this range; PyTorch's pinned allocator would
+        # round the size up to a power of two.
+        ptr, n = host.data_ptr(), host.numel() * host.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, n, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {n} bytes failed: error {int(err)}")
+        with self._lock:
+            self._pinned[ptr] = n
+
+    def unpin(self, host: torch.Tensor) -> None:
+        # Unregister what we registered, so init -> shutdown -> init works (vLLM 0.33
+        # leaks the registration and the second init fails in cudaHostRegister).
+        ptr = host.data_ptr()
+        with self._lock:
+            if self._pinned.pop(ptr, None) is None:
+                return
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostUnregister failed: error {int(err)}")
+
+    def _descriptors(self, layout, block_ids, host, rows):
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        rows_a = np.asarray(rows, dtype=np.uint64)
+        slot = host.stride(0) * host.element_size()
+        bases = np.array([c.data_ptr() for c in layout.caches], dtype=np.uint64)
+        bpb = np.array([c.shape[1] for c in layout.caches], dtype=np.uint64)
+        offs = np.array(layout.offsets, dtype=np.uint64)
+        dev = (bases[:, None] + ids[None, :] * bpb[:, None]).ravel()
+        hst = (np.uint64(host.data_ptr()) + rows_a[None, :] * np.uint64(slot) + offs[:, None]).ravel()
+        sizes = np.repeat(bpb, len(ids))
+        return dev, hst, sizes
+
+    def _batch_copy(self, dsts, srcs, sizes, attr, stream) -> None:
+        fail_idx = ctypes.c_size_t(0)
+        attr_idx = ctypes.c_size_t(0)
+        rc = self._batch(
+            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+            ctypes.byref(attr), ctypes.byref(attr_idx), 1, ctypes.byref(fail_idx),
+            ctypes.c_void_p(stream.cuda_stream),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail_idx.value}")
+
+    def _per_tensor_copy(self, layout, block_ids, host, rows, to_host: bool) -> None:
+        dst_all = host.view(torch.int8)
+        for cache, off in zip(layout.caches, layout.offsets):
+            b = cache.shape[1]
+            for i, r in zip(block_ids, rows):
+                h = dst_all[r, off : off + b]
+                if to_host:
+                    h.copy_(cache[i], non_blocking=True)
+                else:
+                    cache[i].copy_(h, non_blocking=True)
+
+    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None) -> DeviceEvent:
+        if wait_event is not None:
+            stream.wait_event(wait_event)
+        with torch.cuda.stream(stream):
+            if self._batch is not None:
+                dev, hst, sizes = self._descriptors(layout, block_ids, host, rows)
+                self._batch_copy(hst, dev, sizes, self._attr_store, stream)
+            else:
+                self._per_tensor_copy(layout, block_ids, host, rows, to_host=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def copy_to_device(self, stream, layout, host, rows, block_ids) -> DeviceEvent:
+        with torch.cuda.stream(stream):
+            if self._batch is not None:
+                dev, hst, sizes = self._descriptors(layout, block_ids, host, rows)
+                self._batch_copy(dev, hst, sizes, self._attr_load, stream)
+            else:
+                self._per_tensor_copy(layout, block_ids, host, rows, to_host=False)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+
+def make_device(device: torch.device) -> Device:
+    """The device implementation for ``device``: CUDA for cuda devices, else CPU."""
+    if device.type == "cuda":
+        return CudaDevice(device)
+    if device.type == "cpu":
+        return CpuDevice()
+    raise ValueError(f"device {device} is not supported: use a cuda device or cpu")

@@ -1,0 +1,108 @@
+"""The operating-system seam: every file call the backend makes goes through here.
+
+Production passes `OsCalls()`; tests pass a wrapper (``faults.FaultyOsCalls``) that
+fails, shortens, delays or hangs chosen calls. One object, syscall-named methods,
+so a fault plan can say "fail the 3rd pwritev" across all IO threads
+(SQLite's test_syscall.c, RocksDB's FaultInjectionTestFS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+# statx(2) constants (linux/stat.h). Python 3.11 has no os.statx.
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_STATX_DIOALIGN = 0x2000
+
+
+class _StatxTimestamp(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_uint32), ("_pad", ctypes.c_int32)]
+
+
+class _Statx(ctypes.Structure):
+    _fields_ = [
+        ("stx_mask", ctypes.c_uint32),
+        ("stx_blksize", ctypes.c_uint32),
+        ("stx_attributes", ctypes.c_uint64),
+        ("stx_nlink", ctypes.c_uint32),
+        ("stx_uid", ctypes.c_uint32),
+        ("stx_gid", ctypes.c_uint32),
+        ("stx_mode", ctypes.c_uint16),
+        ("_pad1", ctypes.c_uint16),
+        ("stx_ino", ctypes.c_uint64),
+        ("stx_size", ctypes.c_uint64),
+        ("stx_blocks", ctypes.c_uint64),
+        ("stx_attributes_mask", ctypes.c_uint64),
+        ("stx_atime", _StatxTimestamp),
+        ("stx_btime", _StatxTimestamp),
+        ("stx_ctime", _StatxTimestamp),
+        ("stx_mtime", _StatxTimestamp),
+        ("stx_rdev_major", ctypes.c_uint32),
+        ("stx_rdev_minor", ctypes.c_uint32),
+        ("stx_dev_major", ctypes.c_uint32),
+        ("stx_dev_minor", ctypes.c_uint32),
+        ("stx_mnt_id", ctypes.c_uint64),
+        ("stx_dio_mem_align", ctypes.c_uint32),
+        ("stx_dio_offset_align", ctypes.c_uint32),
+        ("_spare", ctypes.c_uint64 * 12),
+    ]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_statx = getattr(_libc, "statx", None)
+
+
+class OsCalls:
+    """Plain pass-through to the kernel. Subclass or wrap to inject faults."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: Optional[int] = None) -> int:
+        return os.open(path, flags, mode, dir_fd=dir_fd)
+
+    def fchmod(self, fd: int, mode: int) -> None:
+        os.fchmod(fd, mode)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def fstatvfs(self, fd: int) -> os.statvfs_result:
+        return os.fstatvfs(fd)
+
+    def unlink(self, path: str, *, dir_fd: Optional[int] = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def dio_alignment(self, fd: int) -> Optional[tuple[int, int]]:
+        """(memory, offset) alignment for O_DIRECT from statx(STATX_DIOALIGN).
+
+        None where the kernel or file system does not report it (kernel < 6.1,
+        tmpfs); (0, 0) means the file system reports no direct IO support.
+        """
+        if _statx is None:
+            return None
+        buf = _Statx()
+        rc = _statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, ctypes.byref(buf))
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if not buf.stx_mask & _STATX_DIOALIGN:
+            return None
+        return buf.stx_dio_mem_align, buf.stx_dio_offset_align

@@ -1,0 +1,235 @@
+"""The slot file: one preallocated file of fixed-size slots per disk path.
+
+Slot ``s`` lives at ``s * slot_bytes``. Under O_DIRECT every slot is padded to the
+file system's direct-IO alignment so that buffer address, file offset and length
+are always aligned, whatever the block size (vLLM #52678, #55424).
+
+The KV bytes never sit under a name: by default the file is anonymous
+(``O_TMPFILE``); the named fallback creates the file with ``O_EXCL|O_NOFOLLOW``
+mode 0600 relative to a directory fd, and unlinks it before a single KV byte is
+written, so neither another user nor a ``kill -9`` can leave a prompt on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import Optional
+
+from kvoffload.os_calls import OsCalls
+
+logger = logging.getLogger(__name__)
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+# Slots are padded to at least a page even where the file system would accept
+# 512-byte direct IO: NVMe drives with 4 KiB sectors turn smaller writes into
+# read-modify-write cycles.
+MIN_DIRECT_ALIGNMENT = 4096
+FALLBACK_ALIGNMENT = 4096
+# A symlink raced into place between our unlink and create makes O_EXCL fail with
+# EEXIST; we retry a few times, then give up rather than loop forever.
+_CREATE_ATTEMPTS = 3
+
+
+class SlotFileError(OSError):
+    """The slot file could not be created or reserved; the message says why."""
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def slot_bytes_for(total_block_bytes: int, alignment: int, use_page_cache: bool) -> int:
+    """Bytes one slot takes in the file: the block padded to ``alignment`` under O_DIRECT."""
+    if total_block_bytes <= 0:
+        raise ValueError(f"total_block_bytes must be > 0, got {total_block_bytes}")
+    if use_page_cache:
+        return total_block_bytes
+    return round_up(total_block_bytes, alignment)
+
+
+@dataclass
+class SlotFile:
+    fd: int
+    path: str  # the path asked for (its directory holds the data)
+    named: bool  # created through the named fallback (unlinked right after)
+    direct: bool  # opened with O_DIRECT
+    alignment: int  # slot size, staging address and offsets are multiples of this
+    slot_bytes: int
+    num_slots: int
+
+    @property
+    def size(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    @classmethod
+    def create(
+        cls,
+        osc: OsCalls,
+        path: str,
+        num_slots: int,
+        block_bytes: int,
+        use_page_cache: bool,
+        named_file: bool = False,
+    ) -> "SlotFile":
+        """Create, secure and preallocate the slot file for ``path``; clean up on any failure."""
+        if num_slots < 1:
+            raise ValueError(f"num_disk_slots must be >= 1, got {num_slots}")
+        directory, name = os.path.split(os.path.abspath(path))
+        if not name:
+            raise ValueError(f"disk_path {path!r} names a directory; give a file path inside it")
+        dir_fd = _open_directory(osc, directory)
+        try:
+            fd, named = _create(osc, dir_fd, directory, name, use_page_cache, named_file)
+        finally:
+            osc.close(dir_fd)
+        try:
+            alignment = _alignment(osc, fd, path, use_page_cache)
+            slot_bytes = slot_bytes_for(block_bytes, alignment, use_page_cache)
+            sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots)
+            _reserve(osc, fd, sf.size, path)
+        except BaseException:
+            osc.close(fd)
+            raise
+        logger.info(
+            "kvoffload slot file for %s: %d slots x %d B = %.2f GiB, %s, %s",
+            path, num_slots, slot_bytes, sf.size / 2**30,
+            "O_DIRECT" if sf.direct else "page cache", "named+unlinked" if named else "anonymous",
+        )
+        return sf
+
+
+def _open_directory(osc: OsCalls, directory: str) -> int:
+    # O_NOFOLLOW on the directory itself: a parent that is a symlink could point
+    # the KV data anywhere; everything after this goes through dir_fd.
+    try:
+        dir_fd = osc.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
+            raise SlotFileError(
+                e.errno,
+                f"disk_path directory {directory!r} is a symlink; give its real path "
+                f"({os.path.realpath(directory)!r}) so the KV file cannot be redirected",
+            ) from e
+        raise SlotFileError(e.errno, f"cannot open disk_path directory {directory!r}: {e.strerror}") from e
+    try:
+        st = osc.fstat(dir_fd)
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise SlotFileError(
+                errno.EPERM,
+                f"disk_path directory {directory!r} is world-writable without the sticky bit "
+                f"(mode {stat.S_IMODE(st.st_mode):o}): another user could swap the KV file; "
+                "use a private directory",
+            )
+    except BaseException:
+        osc.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def _create(osc, dir_fd, directory, name, use_page_cache, named_file) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_CLOEXEC | (0 if use_page_cache else O_DIRECT)
+    if not named_file and O_TMPFILE:
+        try:
+            fd = osc.open(".", flags | O_TMPFILE, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            # EOPNOTSUPP/EISDIR: no O_TMPFILE here (old kernel or file system).
+            # EINVAL may be O_TMPFILE or O_DIRECT; the named path tells them apart.
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise SlotFileError(e.errno, f"cannot create slot file in {directory!r}: {e.strerror}") from e
+            logger.info("O_TMPFILE unavailable in %s (%s); using a named file", directory, e.strerror)
+        else:
+            _fix_mode(osc, fd)
+            return fd, False
+    return _create_named(osc, dir_fd, directory, name, flags, use_page_cache), True
+
+
+def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
+    path = os.path.join(directory, name)
+    for _ in range(_CREATE_ATTEMPTS):
+        # A stale file from an earlier run may be world-readable and hold prompts.
+        try:
+            osc.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise SlotFileError(e.errno, f"cannot remove stale {path!r}: {e.strerror}") from e
+        try:
+            # O_EXCL: never open something that appeared after the unlink (a symlink
+            # planted there fails with EEXIST, live or dangling; nothing is followed).
+            fd = osc.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        except FileExistsError:
+            logger.warning("%s reappeared between unlink and create; retrying", path)
+            continue
+        except OSError as e:
+            if e.errno == errno.EINVAL and not use_page_cache:
+                raise SlotFileError(
+                    e.errno,
+                    f"the file system of {directory!r} does not support O_DIRECT; "
+                    "set use_page_cache=True (kv_connector_extra_config: \"use_page_cache\": true)",
+                ) from e
+            raise SlotFileError(e.errno, f"cannot create {path!r}: {e.strerror}") from e
+        try:
+            _fix_mode(osc, fd)
+            # Drop the name before any KV byte is written: the data lives only as
+            # long as our fd, and a crash leaves nothing behind.
+            osc.unlink(name, dir_fd=dir_fd)
+        except OSError as e:
+            osc.close(fd)
+            raise SlotFileError(e.errno, f"cannot secure {path!r}: {e.strerror}") from e
+        return fd
+    raise SlotFileError(
+        errno.EEXIST, f"{path!r} kept reappearing between unlink and create; refusing to use it"
+    )
+
+
+def _fix_mode(osc: OsCalls, fd: int) -> None:
+    # open()'s mode is filtered by the umask (0277 would give 0400); set it exactly.
+    osc.fchmod(fd, 0o600)
+
+
+def _alignment(osc: OsCalls, fd: int, path: str, use_page_cache: bool) -> int:
+    if use_page_cache:
+        return 1
+    reported: Optional[tuple[int, int]] = osc.dio_alignment(fd)
+    if reported is None:
+        return FALLBACK_ALIGNMENT
+    mem, off = reported
+    if mem == 0 or off == 0:
+        raise SlotFileError(
+            errno.EINVAL,
+            f"the file system of {path!r} reports no O_DIRECT support; set use_page_cache=True",
+        )
+    return max(mem, off, MIN_DIRECT_ALIGNMENT)
+
+
+def _reserve(osc: OsCalls, fd: int, size: int, path: str) -> None:
+    # posix_fallocate, not ftruncate: a sparse file would hit ENOSPC in the middle
+    # of a run, as a store failure, instead of at start-up.
+    vfs = osc.fstatvfs(fd)
+    free = vfs.f_bavail * vfs.f_frsize
+    if size > free:
+        raise SlotFileError(
+            errno.ENOSPC,
+            f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
+        )
+    try:
+        osc.fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise SlotFileError(
+                errno.ENOSPC,
+                f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
+            ) from e
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            # No fallocate on this file system (glibc's emulation fails with EINVAL on
+            # an O_DIRECT fd). A sparse file still works; ENOSPC then surfaces as
+            # failed stores, which the backend reports.
+            logger.warning("fallocate unsupported for %s (%s); file is sparse", path, e.strerror)
+            osc.ftruncate(fd, size)
+            return
+        raise SlotFileError(e.errno, f"cannot reserve {size} bytes for {path!r}: {e.strerror}") from e

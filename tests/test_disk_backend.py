@@ -1,0 +1,453 @@
+"""DiskBackend on real files: round trips, the completion contract, errors, lifecycle.
+
+Every test runs on CPU tensors (CI) and on CUDA tensors where a GPU exists
+(``pytest -m cuda`` on the H200). tmp_path is on ext4 here, so O_DIRECT is real.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+
+from kvoffload import BackendFatalError, CpuBackend, DiskBackend, LeakedFdWarning, OsCalls
+from kvoffload.device import CpuDevice
+from kvoffload.slot_file import SlotFileError, slot_bytes_for
+from tests.conftest import block_bytes, make_caches, open_fds, snapshot
+
+LAYOUTS = {
+    "aligned": [4096] * 4,
+    "mla": [576 * 2] * 3,  # DeepSeek-style 576-value bf16 rows: not a multiple of 512
+    "hybrid": [3098112],  # the hybrid stride that made vLLM 0.33 unbootable (#55424)
+    "many": [256] * 120,
+}
+
+
+def start(caches, device, tmp_path, num_slots=64, **kw) -> DiskBackend:
+    b = DiskBackend()
+    kw.setdefault("io_depth", 3)
+    b.init(caches, device, None, None, str(tmp_path / "kv.bin"), num_slots, block_bytes(caches), **kw)
+    return b
+
+
+def run_job(b, src, dst, is_store, events, idx=0, wait_event=None):
+    b.launch_copy(src, dst, is_store, idx, events, wait_event)
+    ev = events[-1][1]
+    ev.synchronize()
+    return ev
+
+
+def poll_like_vllm(events: list, hwm: int) -> int:
+    """vLLM's worker: pop finished events from the front, stop at the first unfinished."""
+    while events and events[0][1].query():
+        idx, _ = events.pop(0)
+        assert idx > hwm, "events must come out in submission order"
+        hwm = idx
+    return hwm
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("use_page_cache", [False, True], ids=["direct", "pagecache"])
+@pytest.mark.parametrize("named_file", [False, True], ids=["anonymous", "named"])
+def test_round_trip_random_data(device, tmp_path, layout, use_page_cache, named_file):
+    nblocks = 3 if layout == "hybrid" else 16
+    caches = make_caches(device, nblocks, LAYOUTS[layout])
+    b = start(caches, device, tmp_path, num_slots=2 * nblocks, use_page_cache=use_page_cache, named_file=named_file)
+    try:
+        f = b.files[0]
+        assert f.named is named_file and f.direct is (not use_page_cache)
+        if not use_page_cache:
+            assert f.slot_bytes % 4096 == 0 and f.slot_bytes >= block_bytes(caches)
+        want = snapshot(caches)
+        ev = []
+        # Scattered, non-contiguous slots, stored in reverse.
+        slots = [2 * i + 1 for i in range(nblocks)][::-1]
+        assert run_job(b, list(range(nblocks)), slots, True, ev).ok
+        for t in caches.values():
+            t.zero_()
+        assert run_job(b, slots, list(range(nblocks)), False, ev, 1).ok
+        assert b.get_block_ids_with_load_errors() == set()
+        for k in caches:
+            assert torch.equal(caches[k].cpu(), want[k]), k
+        assert os.listdir(tmp_path) == []  # the data never sits under a name
+    finally:
+        b.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_slot_padding_rule():
+    assert slot_bytes_for(4224, 4096, False) == 8192
+    assert slot_bytes_for(4224, 512, False) == 4608
+    assert slot_bytes_for(4224, 4096, True) == 4224
+    assert slot_bytes_for(3098112, 4096, False) == 3100672
+    with pytest.raises(ValueError, match="total_block_bytes must be > 0"):
+        slot_bytes_for(0, 4096, False)
+
+
+def test_many_concurrent_jobs_polled_like_vllm(device, tmp_path):
+    caches = make_caches(device, 64, [1024, 3072])
+    b = start(caches, device, tmp_path, num_slots=256, io_unit_bytes=8192)
+    try:
+        want = snapshot(caches)
+        store_ev, load_ev = [], []
+        for j in range(32):  # 32 store jobs of 2 blocks each, all queued at once
+            b.launch_copy([2 * j, 2 * j + 1], [100 + 2 * j, 100 + 2 * j + 1], True, j + 1, store_ev)
+        assert [i for i, _ in store_ev] == list(range(1, 33))
+        hwm, deadline = 0, time.monotonic() + 30
+        while hwm < 32:
+            hwm = poll_like_vllm(store_ev, hwm)
+            assert time.monotonic() < deadline
+        for t in caches.values():
+            t.zero_()
+        for j in range(32):
+            b.launch_copy([100 + 2 * j, 100 + 2 * j + 1], [2 * j, 2 * j + 1], False, j + 1, load_ev)
+        hwm = 0
+        while hwm < 32:
+            hwm = poll_like_vllm(load_ev, hwm)
+            assert time.monotonic() < deadline
+        assert b.get_block_ids_with_load_errors() == set()
+        for k in caches:
+            assert torch.equal(caches[k].cpu(), want[k])
+    finally:
+        b.shutdown()
+
+
+def test_empty_job_still_completes(device, tmp_path):
+    caches = make_caches(device, 4, [4096])
+    b = start(caches, device, tmp_path)
+    try:
+        ev = []
+        b.launch_copy([], [], False, 7, ev)
+        assert ev[0][0] == 7 and ev[0][1].query() and ev[0][1].ok
+    finally:
+        b.shutdown()
+
+
+class FlakyOs(OsCalls):
+    """Fails chosen pwritev/preadv calls (by 1-based count) with EIO or a real short transfer."""
+
+    def __init__(self, fail_writes=(), short_reads=()):
+        self.fail_writes, self.short_reads = set(fail_writes), set(short_reads)
+        self.writes = self.reads = 0
+        self.lock = threading.Lock()
+
+    def pwritev(self, fd, buffers, offset):
+        with self.lock:
+            self.writes += 1
+            n = self.writes
+        if n in self.fail_writes:
+            raise OSError(errno.EIO, "injected EIO")
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd, buffers, offset):
+        with self.lock:
+            self.reads += 1
+            n = self.reads
+        got = super().preadv(fd, buffers, offset)
+        return got - 4096 if n in self.short_reads else got
+
+
+def test_io_errors_reported_without_losing_events(device, tmp_path):
+    caches = make_caches(device, 8, [4096, 4096])
+    osc = FlakyOs(fail_writes={2, 5}, short_reads={1})
+    # io_unit_bytes = one slot, io_depth 1: one pwritev per block, in order.
+    b = start(caches, device, tmp_path, num_slots=16, io_depth=1, io_unit_bytes=1, os_calls=osc)
+    try:
+        want = snapshot(caches)
+        ev = []
+        for i in range(8):
+            b.launch_copy([i], [i], True, i, ev)
+        for _, e in ev:
+            e.synchronize(timeout=30)
+        assert [e.ok for _, e in ev] == [True, False, True, True, False, True, True, True]
+        assert b.get_failed_store_slots() == {1, 4}
+        assert b.get_failed_store_slots() == set()  # returned once, then cleared
+        for t in caches.values():
+            t.fill_(7)
+        load_ev = []
+        for i in range(8):
+            b.launch_copy([i], [i], False, i, load_ev)
+        for _, e in load_ev:
+            e.synchronize(timeout=30)
+        # Read 1 came back short; slots 1 and 4 hold failed stores: never served.
+        errors = b.get_block_ids_with_load_errors()
+        assert errors == {0, 1, 4}
+        assert [e.ok for _, e in load_ev] == [i not in errors for i in range(8)]
+        for k in caches:
+            for i in range(8):
+                if i not in errors:
+                    assert torch.equal(caches[k][i].cpu(), want[k][i])
+                else:  # a failed load leaves the device block untouched
+                    assert bool((caches[k][i] == 7).all())
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("use_page_cache", [False, True], ids=["direct", "pagecache"])
+def test_corruption_on_disk_is_a_load_error(device, tmp_path, use_page_cache):
+    caches = make_caches(device, 4, [8192])
+    b = start(caches, device, tmp_path, num_slots=4, use_page_cache=use_page_cache)
+    try:
+        ev = []
+        run_job(b, [0, 1, 2, 3], [0, 1, 2, 3], True, ev)
+        f = b.files[0]
+        # Flip one bit of slot 2 through the backend's own fd (aligned for O_DIRECT).
+        import mmap
+
+        page = mmap.mmap(-1, 4096)
+        off = 2 * f.slot_bytes + 4096
+        assert os.preadv(f.fd, [page], off) == 4096
+        page[100] ^= 0x10
+        assert os.pwritev(f.fd, [page], off) == 4096
+        run_job(b, [0, 1, 2, 3], [0, 1, 2, 3], False, ev, 1)
+        assert b.get_block_ids_with_load_errors() == {2}
+    finally:
+        b.shutdown()
+
+
+def test_checksums_off_still_round_trips(device, tmp_path):
+    caches = make_caches(device, 4, [4096])
+    b = start(caches, device, tmp_path, checksums=False)
+    try:
+        want, ev = snapshot(caches), []
+        run_job(b, [0, 1, 2, 3], [3, 2, 1, 0], True, ev)
+        caches["layer0"].zero_()
+        run_job(b, [3, 2, 1, 0], [0, 1, 2, 3], False, ev, 1)
+        assert torch.equal(caches["layer0"].cpu(), want["layer0"])
+        run_job(b, [9], [0], False, ev, 2)  # never stored: still an error without checksums
+        assert b.get_block_ids_with_load_errors() == {0}
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("named_file", [False, True], ids=["anonymous", "named"])
+def test_file_mode_is_0600_whatever_the_umask(tmp_path, named_file):
+    caches = make_caches("cpu", 2, [4096])
+    old = os.umask(0o277)
+    try:
+        b = start(caches, "cpu", tmp_path, named_file=named_file)
+    finally:
+        os.umask(old)
+    try:
+        st = os.fstat(b.files[0].fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_nlink == 0  # no name: nobody else can open it
+        assert st.st_size == 64 * 4096  # fully reserved up front
+        assert st.st_blocks * 512 >= st.st_size  # fallocated, not sparse
+    finally:
+        b.shutdown()
+
+
+def test_init_shutdown_init_in_one_process(device, tmp_path):
+    caches = make_caches(device, 4, [4096])
+    before = open_fds()
+    b = DiskBackend()
+    for round_ in range(3):
+        b.init(caches, device, None, None, str(tmp_path / "kv.bin"), 8, 4096, io_depth=2)
+        ev = []
+        run_job(b, [0], [round_], True, ev)
+        run_job(b, [round_], [1], False, ev, 1)
+        b.shutdown()
+        b.shutdown()  # idempotent
+        assert open_fds() == before
+    b2 = DiskBackend()
+    b2.init(caches, device, None, None, str(tmp_path / "kv.bin"), 8, 4096, io_depth=2)
+    b2.shutdown()
+    assert open_fds() == before and os.listdir(tmp_path) == []
+
+
+def test_calls_after_shutdown_fail_clearly(tmp_path):
+    b = start(make_caches("cpu", 2, [4096]), "cpu", tmp_path)
+    b.shutdown()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        b.launch_copy([0], [0], True, 0, [])
+    assert b.get_block_ids_with_load_errors() == set()
+
+
+def test_bad_arguments_are_named(tmp_path):
+    caches = make_caches("cpu", 4, [4096])
+    b = DiskBackend()
+    with pytest.raises(ValueError, match="total_block_bytes=4000 but the caches hold 4096"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv"), 8, 4000)
+    with pytest.raises(ValueError, match="num_buffer_slots must be >= 1"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv"), 8, 4096, num_buffer_slots=0)
+    with pytest.raises(ValueError, match="num_disk_slots must be >= 1"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv"), 0, 4096)
+    b = start(caches, "cpu", tmp_path, num_slots=8)
+    try:
+        with pytest.raises(ValueError, match=r"slot id 8 out of range \[0, 8\)"):
+            b.launch_copy([0], [8], True, 0, [])
+        with pytest.raises(ValueError, match=r"device block id 4 out of range"):
+            b.launch_copy([0], [4], False, 0, [])
+        with pytest.raises(ValueError, match="appears twice"):
+            b.launch_copy([0, 1], [3, 3], True, 0, [])
+        with pytest.raises(ValueError, match="src_blocks has 2 ids, dst_blocks has 1"):
+            b.launch_copy([0, 1], [3], True, 0, [])
+    finally:
+        b.shutdown()
+    assert os.listdir(tmp_path) == []
+
+
+def test_refuses_world_writable_directory_without_sticky_bit(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(SlotFileError, match="world-writable without the sticky bit"):
+        start(make_caches("cpu", 2, [4096]), "cpu", d)
+    d.chmod(0o1777)  # /tmp-style sticky directory is fine: only the owner can unlink
+    start(make_caches("cpu", 2, [4096]), "cpu", d).shutdown()
+
+
+def test_refuses_symlinked_parent(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(SlotFileError, match="is a symlink; give its real path"):
+        start(make_caches("cpu", 2, [4096]), "cpu", tmp_path / "link")
+    assert os.listdir(real) == []
+
+
+def test_too_little_space_fails_at_init(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    caches = make_caches("cpu", 2, [4096])
+    with pytest.raises(SlotFileError, match=r"need \d+ bytes, \d+ free") as e:
+        start(caches, "cpu", tmp_path, num_slots=free // 4096 + 1024)
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+
+
+class HangingOs(OsCalls):
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def pwritev(self, fd, buffers, offset):
+        self.entered.set()
+        self.release.wait(30)
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_hung_write_at_shutdown_leaks_one_fd_and_returns(tmp_path):
+    caches = make_caches("cpu", 4, [4096])
+    osc = HangingOs()
+    before = open_fds()
+    b = start(caches, "cpu", tmp_path, io_depth=1, os_calls=osc, join_timeout=0.3)
+    fd = b.files[0].fd
+    ev = []
+    b.launch_copy([0], [0], True, 0, ev)
+    b.launch_copy([1], [1], True, 1, ev)  # queued behind the hung one
+    assert osc.entered.wait(10)
+    t0 = time.monotonic()
+    with pytest.warns(LeakedFdWarning, match=rf"leaking fd\(s\) \[{fd}\]"):
+        b.shutdown()
+    assert time.monotonic() - t0 < 2.0
+    assert all(e.query() and not e.ok for _, e in ev)  # no poll waits forever
+    assert open_fds() - before == {fd}  # exactly the slot file's fd is kept
+    assert os.fstat(fd).st_nlink == 0 and os.listdir(tmp_path) == []
+    osc.release.set()  # the late write lands in the unlinked file, nowhere else
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kvoffload-store")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.close(fd)
+
+
+class BrokenDevice(CpuDevice):
+    def copy_to_host(self, *a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_device_failure_is_fatal_not_swallowed(tmp_path):
+    caches = make_caches("cpu", 4, [4096])
+    b = start(caches, "cpu", tmp_path, device_impl=BrokenDevice())
+    try:
+        ev = []
+        b.launch_copy([0], [0], True, 0, ev)
+        with pytest.raises(BackendFatalError, match="illegal memory access"):
+            ev[0][1].synchronize(timeout=10)
+        with pytest.raises(BackendFatalError, match="failed earlier"):
+            b.launch_copy([1], [1], True, 1, ev)
+    finally:
+        b.shutdown()
+
+
+def test_wait_event_orders_store_after_compute(tmp_path):
+    """A store must not read the cache before wait_event (vLLM #45704)."""
+    caches = make_caches("cpu", 2, [4096])
+    b = start(caches, "cpu", tmp_path)
+    try:
+        computed = threading.Event()
+
+        class Compute:
+            def query(self):
+                return computed.is_set()
+
+            def synchronize(self):
+                computed.wait(10)
+
+        ev = []
+        b.launch_copy([0], [0], True, 0, ev, wait_event=Compute())
+        time.sleep(0.1)
+        caches["layer0"][0].fill_(42)  # the "compute" writes the block late
+        computed.set()
+        ev[0][1].synchronize(timeout=10)
+        caches["layer0"].zero_()
+        run_job(b, [0], [1], False, ev, 1)
+        assert bool((caches["layer0"][1] == 42).all())
+    finally:
+        b.shutdown()
+
+
+def test_striping_over_two_paths_isolates_a_failed_disk(device, tmp_path):
+    a, c = tmp_path / "a", tmp_path / "c"
+    a.mkdir(), c.mkdir()
+    caches = make_caches(device, 8, [4096])
+
+    class FailSecondFile(OsCalls):
+        def pwritev(self, fd, buffers, offset):
+            if fd == self.bad_fd:
+                raise OSError(errno.EIO, "disk c died")
+            return super().pwritev(fd, buffers, offset)
+
+    osc = FailSecondFile()
+    osc.bad_fd = -1
+    b = DiskBackend()
+    b.init(caches, device, None, None, str(a / "kv"), 8, 4096, disk_paths=[str(a / "kv"), str(c / "kv")],
+           io_depth=2, os_calls=osc)
+    try:
+        assert len(b.files) == 2 and [f.num_slots for f in b.files] == [4, 4]
+        osc.bad_fd = b.files[1].fd
+        want, ev = snapshot(caches), []
+        run_job(b, list(range(8)), list(range(8)), True, ev)
+        assert b.get_failed_store_slots() == {1, 3, 5, 7}  # odd slots live on disk c
+        caches["layer0"].zero_()
+        run_job(b, list(range(8)), list(range(8)), False, ev, 1)
+        assert b.get_block_ids_with_load_errors() == {1, 3, 5, 7}
+        for i in (0, 2, 4, 6):
+            assert torch.equal(caches["layer0"][i].cpu(), want["layer0"][i])
+    finally:
+        b.shutdown()
+
+
+def test_cpu_backend_round_trip(device):
+    caches = make_caches(device, 8, [576 * 2, 4096])
+    b = CpuBackend()
+    b.init(caches, device, None, None, 16, block_bytes(caches))
+    try:
+        want, ev = snapshot(caches), []
+        b.launch_copy(list(range(8)), list(range(8, 16)), True, 0, ev)
+        ev[0][1].synchronize()
+        for t in caches.values():
+            t.zero_()
+        b.launch_copy(list(range(8, 16)), list(range(8)), False, 1, ev)
+        ev[1][1].synchronize()
+        for k in caches:
+            assert torch.equal(caches[k].cpu(), want[k])
+        assert b.get_block_ids_with_load_errors() == set()
+    finally:
+        b.shutdown()
+        b.shutdown()
