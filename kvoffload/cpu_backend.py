@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvoffload.device import BlockLayout, Device, alloc_host, make_device
+from kvoffload.device import BlockLayout, Device, alloc_host, make_device, resolve_device
 from kvoffload.jobs import check_job
 
 
@@ -41,7 +41,7 @@ class CpuBackend:
             raise ValueError(
                 f"total_block_bytes={total_block_bytes} but the caches hold {layout.block_bytes} bytes per block"
             )
-        device = torch.device(device)
+        device = resolve_device(device)
         self._dev = device_impl if device_impl is not None else make_device(device)
         if device.type == "cuda":
             load_stream = load_stream or torch.cuda.Stream(device, priority=0)

@@ -14,6 +14,7 @@ each slot is one aligned span however odd the per-tensor sizes are).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,13 @@ class BlockLayout:
             offsets.append(total)
             total += bpb
         return cls(tuple(views), tuple(offsets), total, int(num_blocks))
+
+    @functools.cached_property
+    def pointer_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(base address, bytes per block, offset in slot) per cache, for copy descriptors."""
+        bases = np.array([c.data_ptr() for c in self.caches], dtype=np.uint64)
+        bpb = np.array([c.shape[1] for c in self.caches], dtype=np.uint64)
+        return bases, bpb, np.array(self.offsets, dtype=np.uint64)
 
 
 def alloc_host(nbytes: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,9 +258,7 @@ class CudaDevice:
         ids = np.asarray(block_ids, dtype=np.uint64)
         rows_a = np.asarray(rows, dtype=np.uint64)
         slot = host.stride(0) * host.element_size()
-        bases = np.array([c.data_ptr() for c in layout.caches], dtype=np.uint64)
-        bpb = np.array([c.shape[1] for c in layout.caches], dtype=np.uint64)
-        offs = np.array(layout.offsets, dtype=np.uint64)
+        bases, bpb, offs = layout.pointer_arrays
         dev = (bases[:, None] + ids[None, :] * bpb[:, None]).ravel()
         hst = (np.uint64(host.data_ptr()) + rows_a[None, :] * np.uint64(slot) + offs[:, None]).ravel()
         sizes = np.repeat(bpb, len(ids))
@@ -303,6 +309,14 @@ class CudaDevice:
             ev = torch.cuda.Event()
             ev.record(stream)
         return ev
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with an explicit index (``cuda`` means the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def make_device(device: torch.device) -> Device:

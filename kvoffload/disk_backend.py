@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import xxhash
 
-from kvoffload.device import BlockLayout, Device, alloc_host, make_device
+from kvoffload.device import BlockLayout, Device, alloc_host, make_device, resolve_device
 from kvoffload.jobs import BackendFatalError, JobEvent, check_job
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import SlotFile
@@ -159,7 +159,7 @@ class DiskBackend:
             raise ValueError(f"num_disk_slots must be >= 1, got {num_disk_slots}")
         if num_disk_slots < len(paths):
             raise ValueError(f"num_disk_slots={num_disk_slots} is fewer than the {len(paths)} disk paths")
-        device = torch.device(device)
+        device = resolve_device(device)
         dev = device_impl if device_impl is not None else make_device(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
