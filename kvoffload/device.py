@@ -88,8 +88,11 @@ def alloc_host(nbytes: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]
 class Device(Protocol):
     """What the backend needs from a device. Streams may be None on CPU."""
 
-    def bind_thread(self) -> None:
-        """Make this worker thread use the device (CUDA: set the current device)."""
+    def bind_thread(self, stream: Any) -> Any:
+        """Prepare a worker thread for device work; return the stream its copies go on.
+
+        ``stream`` is the lane's stream (vLLM's load or store stream).
+        """
 
     def pin(self, host: torch.Tensor) -> None:
         """Page-lock a host buffer for async copies; undone by ``unpin``."""
@@ -136,8 +139,8 @@ DONE = DoneEvent()
 class CpuDevice:
     """CPU tensors stand in for device memory; copies are synchronous."""
 
-    def bind_thread(self) -> None:
-        return None
+    def bind_thread(self, stream: Any) -> Any:
+        return stream
 
     def pin(self, host: torch.Tensor) -> None:
         return None
@@ -230,8 +233,14 @@ class CudaDevice:
     def batched(self) -> bool:
         return self._batch is not None
 
-    def bind_thread(self) -> None:
+    def bind_thread(self, stream: Any) -> Any:
         torch.cuda.set_device(self.device)
+        # One stream per IO thread, at the lane stream's priority: on one shared
+        # stream the threads' copies run one after another, and a copy of many
+        # small descriptors is bound by per-descriptor DMA cost, not PCIe. Measured
+        # on the H200 (64 x 32 KiB tensors, 16 MiB units, 8 threads): 28 GiB/s
+        # shared, 44 GiB/s per thread, against 51.5 GiB/s contiguous pinned H2D.
+        return torch.cuda.Stream(self.device, priority=getattr(stream, "priority", 0))
 
     def pin(self, host: torch.Tensor) -> None:
         # cudaHostRegister pins exactly this range; PyTorch's pinned allocator would

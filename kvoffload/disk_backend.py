@@ -31,7 +31,10 @@ from kvoffload.slot_file import SlotFile
 logger = logging.getLogger(__name__)
 
 DEFAULT_IO_DEPTH = 8
-DEFAULT_IO_UNIT_BYTES = 4 << 20
+# Large units: each (tensor, block) piece is one DMA descriptor, and descriptors
+# of a few KiB cost more than their bytes; 16 MiB units halve the per-byte cost
+# of 4 MiB ones (H200: 22 vs 44 GiB/s H2D with 8 threads).
+DEFAULT_IO_UNIT_BYTES = 16 << 20
 DEFAULT_JOIN_TIMEOUT_S = 10.0
 # Stands in for a checksum when checksums are off: the slot holds a completed store.
 _VALID = -1
@@ -326,7 +329,7 @@ class DiskBackend:
     # -- IO threads ------------------------------------------------------------
 
     def _serve(self, run: _Run, lane: _Lane, staging: torch.Tensor) -> None:
-        self._dev.bind_thread()
+        stream = self._dev.bind_thread(lane.stream)
         rows_mv = memoryview(staging.numpy()).cast("B")
         while True:
             unit = lane.queue.get()
@@ -337,17 +340,17 @@ class DiskBackend:
                 continue
             try:
                 if lane.is_store:
-                    failed = self._store_unit(run, lane, unit, staging, rows_mv)
+                    failed = self._store_unit(run, lane, stream, unit, staging, rows_mv)
                 else:
-                    failed = self._load_unit(run, lane, unit, staging, rows_mv)
+                    failed = self._load_unit(run, lane, stream, unit, staging, rows_mv)
             except BaseException as e:  # device failure: fatal for the whole backend
                 self._fail_fatal(run, e, lane, unit)
                 continue
             self._finish(run, lane, unit, failed)
 
-    def _store_unit(self, run, lane, unit, staging, rows_mv) -> set[int]:
+    def _store_unit(self, run, lane, stream, unit, staging, rows_mv) -> set[int]:
         n = len(unit.block_ids)
-        ev = self._dev.copy_to_host(lane.stream, self._layout, unit.block_ids, staging, range(n), unit.wait_event)
+        ev = self._dev.copy_to_host(stream, self._layout, unit.block_ids, staging, range(n), unit.wait_event)
         # pwritev reads staging from the CPU side: the device copy must be done first.
         ev.synchronize()
         failed: set[int] = set()
@@ -367,7 +370,7 @@ class DiskBackend:
                 run.bytes_written += (j1 - j0) * lane.file.slot_bytes
         return failed
 
-    def _load_unit(self, run, lane, unit, staging, rows_mv) -> set[int]:
+    def _load_unit(self, run, lane, stream, unit, staging, rows_mv) -> set[int]:
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, s in enumerate(unit.slots) if run.sums[s] is None}
         for j0, j1 in _runs(unit.local, skip=failed):
@@ -390,7 +393,7 @@ class DiskBackend:
                 if run.closing:  # released from a hang after shutdown: the blocks are not ours
                     return set(range(len(unit.slots)))
                 ev = self._dev.copy_to_device(
-                    lane.stream, self._layout, staging, good, [unit.block_ids[j] for j in good]
+                    stream, self._layout, staging, good, [unit.block_ids[j] for j in good]
                 )
             # The staging rows are reused by this thread's next unit only after the
             # copy to the device has read them (vLLM's trailing-drain fix).
