@@ -1,0 +1,200 @@
+"""``kv_connector_extra_config`` parsing: vLLM's SimpleCPUOffloadConnector keys plus kvoffload's.
+
+Stricter than vLLM 0.33, which calls ``bool()`` on flags (so ``"false"`` is true) and
+ignores unknown keys (so a typo silently disables a setting): here every key is
+checked whatever the backend, and a bad one is a ``ValueError`` naming the key, the
+value and what is allowed. Never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+BACKENDS = ("cpu", "disk")
+DEFAULT_CPU_BYTES = 8 * GiB  # vLLM 0.33's DEFAULT_CPU_CAPACITY_BYTES
+DEFAULT_DISK_CAPACITY_BYTES = 100 * GiB
+DEFAULT_DISK_BUFFER_SLOTS = 2
+
+# Every key vLLM 0.33's connector (or a newer one, #52678/#49644 follow-ups) reads.
+VLLM_KEYS = frozenset({
+    "kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots",
+    "use_page_cache", "direct_io_alignment", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank",
+    "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
+    "cpu_offload_shared", "cpu_hugepage_block_size",
+})
+KVOFFLOAD_KEYS = frozenset({"checksums", "io_depth", "named_file"})
+KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
+# Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
+DISK_ONLY_KEYS = (
+    "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
+    "direct_io_alignment", "checksums", "io_depth", "named_file",
+)
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case-insensitive"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"100GiB"``, ``"512MB"``, ``"1.5 GiB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: expected a number of bytes (e.g. 107374182400 or '100GiB'), not a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and (m.group(2).lower() or "b") in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower() or "b"]
+            if n.is_integer():
+                return int(n)
+            raise ValueError(f"{key}={value!r} is not a whole number of bytes")
+    raise ValueError(
+        f"{key}={value!r}: expected an integer number of bytes or a string with a unit "
+        f"({_UNIT_NAMES}), e.g. 107374182400, '100GiB' or '512MB'"
+    )
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    # Strict on purpose: vLLM's bool("false") is True.
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: expected a JSON boolean (true or false)")
+    return value
+
+
+def num_slots(capacity_bytes: int, slot_bytes: int) -> int:
+    """Slots a capacity holds: the ONE sizing rule for scheduler and every rank (vLLM #52921)."""
+    n = capacity_bytes // slot_bytes
+    if n < 1:
+        raise ValueError(
+            f"disk_capacity_bytes={capacity_bytes} is smaller than one disk slot ({slot_bytes} bytes)"
+        )
+    return n
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    backend: str = "cpu"
+    disk_path: Optional[str] = None
+    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY_BYTES  # per rank, as in vLLM
+    disk_buffer_slots: int = DEFAULT_DISK_BUFFER_SLOTS
+    use_page_cache: bool = False
+    # Alignment slots are sized with (the slot file pads to at least 4096 under O_DIRECT).
+    direct_io_alignment: int = MIN_DIRECT_ALIGNMENT
+    cpu_bytes_to_use: int = DEFAULT_CPU_BYTES  # server-wide, divided by world size
+    cpu_bytes_to_use_per_rank: Optional[int] = None
+    num_cpu_blocks: Optional[int] = None  # explicit pool size in blocks/slots
+    lazy_offload: bool = False
+    checksums: bool = True
+    io_depth: Optional[int] = None  # None: the backend's default
+    named_file: bool = False  # skip O_TMPFILE, use the named (and unlinked) file
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"unknown kv_connector_extra_config key(s): {', '.join(hints)}; "
+                f"known keys: {', '.join(sorted(KNOWN_KEYS))}"
+            )
+        backend = extra.get("kv_offload_backend", "cpu")
+        if backend not in BACKENDS:
+            raise ValueError(f"kv_offload_backend={backend!r}: expected one of {BACKENDS}")
+
+        kw: dict[str, Any] = {"backend": backend}
+        if "disk_path" in extra:
+            p = extra["disk_path"]
+            if not isinstance(p, str) or not p:
+                raise ValueError(f"disk_path={p!r}: expected a non-empty file path")
+            kw["disk_path"] = p
+        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
+            if key in extra:
+                kw[key] = parse_size(key, extra[key])
+                if kw[key] <= 0:
+                    raise ValueError(f"{key}={extra[key]!r}: must be > 0")
+        for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_depth", 1),
+                             ("direct_io_alignment", 1)):
+            if key in extra:
+                kw[key] = _int(key, extra[key], minimum)
+        if "direct_io_alignment" in kw and kw["direct_io_alignment"] & (kw["direct_io_alignment"] - 1):
+            raise ValueError(f"direct_io_alignment={kw['direct_io_alignment']!r}: expected a power of two")
+        for key in ("use_page_cache", "lazy_offload", "checksums", "named_file"):
+            if key in extra:
+                kw[key] = _bool(key, extra[key])
+        cfg = cls(**kw)
+
+        if backend == "disk" and cfg.disk_path is None:
+            raise ValueError('kv_offload_backend="disk" requires disk_path (a file path on the offload disk)')
+        if backend == "cpu":
+            ignored = [k for k in DISK_ONLY_KEYS if k in extra]
+            if ignored:
+                msg = (f'kv_offload_backend is "cpu": ignoring disk-only key(s) {", ".join(ignored)}; '
+                       'set kv_offload_backend="disk" to use them')
+                warnings.warn(msg, stacklevel=2)
+                logger.warning(msg)
+        return cfg
+
+    @property
+    def disk_mode(self) -> bool:
+        return self.backend == "disk"
+
+    def cpu_bytes_per_rank(self, world_size: int) -> int:
+        """vLLM's rule: ``cpu_bytes_to_use`` is server-wide unless the per-rank key is set."""
+        if self.cpu_bytes_to_use_per_rank is not None:
+            return self.cpu_bytes_to_use_per_rank
+        return self.cpu_bytes_to_use // world_size
+
+    def slot_bytes(self, total_block_bytes: int) -> int:
+        """Padded slot size the sizing rule assumes for a block of ``total_block_bytes``."""
+        return slot_bytes_for(total_block_bytes, max(self.direct_io_alignment, MIN_DIRECT_ALIGNMENT),
+                              self.use_page_cache)
+
+    def num_disk_slots(self, total_block_bytes: int) -> int:
+        """Slots of one rank's file: ``num_slots(disk_capacity_bytes, slot_bytes)``."""
+        return num_slots(self.disk_capacity_bytes, self.slot_bytes(total_block_bytes))
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """kvoffload's own ``DiskBackend.init`` keywords."""
+        return {"checksums": self.checksums, "io_depth": self.io_depth, "named_file": self.named_file}
+
+    def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""
+        out = dict(extra)
+        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
+            if key in out:
+                out[key] = getattr(self, key)
+        return out
+
+
+def rank_disk_path(disk_path: str, dp_rank: int, world_rank: int) -> str:
+    """Per-rank file name: unique across DP replicas and TP/PP/PCP ranks.
+
+    vLLM 0.33 appends ``.rank_{device.index or 0}``, which collides when several
+    processes each see their GPU as ``cuda:0`` (CUDA_VISIBLE_DEVICES per process).
+    """
+    return f"{disk_path}.dp{dp_rank}.rank{world_rank}"

@@ -1,0 +1,266 @@
+"""vLLM drop-in: ``SimpleCPUOffloadConnector`` with kvoffload's ``DiskBackend`` under it.
+
+Load with ``"kv_connector": "KvoffloadConnector", "kv_connector_module_path":
+"kvoffload.vllm"``. vLLM is imported only when ``KvoffloadConnector`` is first
+looked up (module ``__getattr__``), so this module imports without vLLM, and an
+installed vLLM whose interface differs from 0.33.x fails there with one clear
+message rather than with an AttributeError deep in a worker.
+
+What changes against vLLM 0.33's own connector (same keys, same behaviour otherwise):
+- disk mode runs kvoffload's ``DiskBackend`` (the worker's hard-coded
+  ``if self.disk_mode`` branch, ``_init_disk_mode``, is overridden);
+- failed loads reach vLLM through ``get_block_ids_with_load_errors()``, so
+  ``kv_load_failure_policy="recompute"`` recomputes them;
+- per-rank files are named by DP rank and global rank, not ``device.index``;
+- scheduler and ranks size the pool with one rule (``config.num_slots`` on the
+  padded slot size), and every rank checks the scheduler's count against its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from kvoffload.config import OffloadConfig, rank_disk_path
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = "0.33.x"
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("KvoffloadConnector", "KvoffloadWorker"):
+        if not _CLASSES:
+            _CLASSES["KvoffloadConnector"] = _build_connector_class()
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _params(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _check_interface(version: str, base: Any, worker_cls: Any, scheduler_cls: Any) -> None:
+    """Feature-detect what this adapter overrides; raise ImportError naming what differs."""
+    problems = []
+    expect = {
+        "SimpleCPUOffloadWorker._init_disk_mode": (
+            getattr(worker_cls, "_init_disk_mode", None), ["self", "unique_gpu_caches", "total_bytes_per_block", "device"]),
+        "SimpleCPUOffloadWorker._resolve_num_cpu_blocks": (
+            getattr(worker_cls, "_resolve_num_cpu_blocks", None), ["self", "capacity_bytes", "bytes_per_block"]),
+    }
+    for what, (fn, params) in expect.items():
+        if fn is None:
+            problems.append(f"{what} is missing")
+        elif _params(fn) != params:
+            problems.append(f"{what}{tuple(_params(fn))} differs from {tuple(params)}")
+    init = set(_params(worker_cls.__init__))
+    for p in ("kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots",
+              "use_page_cache", "num_cpu_blocks"):
+        if p not in init:
+            problems.append(f"SimpleCPUOffloadWorker.__init__ has no {p!r} parameter")
+    if "num_cpu_blocks" not in _params(scheduler_cls.__init__):
+        problems.append("SimpleCPUOffloadScheduler.__init__ has no 'num_cpu_blocks' parameter")
+    if not hasattr(base, "get_block_ids_with_load_errors"):
+        problems.append("KVConnectorBase_V1.get_block_ids_with_load_errors is missing")
+    if problems:
+        raise ImportError(
+            f"kvoffload.vllm supports vLLM {SUPPORTED_VLLM}; the installed vLLM {version} has a different "
+            f"simple_kv_offload interface: {'; '.join(problems)}. Pin vllm==0.33.* or use "
+            'kv_connector "SimpleCPUOffloadConnector" (vLLM\'s own disk backend).'
+        )
+
+
+def _ranks(vllm_config: Any) -> tuple[int, int]:
+    """(DP rank, global rank of this worker in its world group)."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank
+    except AssertionError:  # world group not initialized: one process, rank 0
+        rank = 0
+    return dp, rank
+
+
+def scheduler_num_slots(cfg: OffloadConfig, kv_cache_config: Any) -> int:
+    """The scheduler's pool size: the ranks' rule applied to the scheduler's KV layout.
+
+    Bytes per block come from the allocation as vLLM's ``_derive_cpu_config`` sees
+    them (rounded up), and the result never exceeds vLLM's own unpadded bound.
+    """
+    from vllm.v1.simple_kv_offload.sizing import gpu_total_bytes
+
+    total = gpu_total_bytes(kv_cache_config)
+    nb = kv_cache_config.num_blocks
+    unpadded = nb * cfg.disk_capacity_bytes // total
+    return min(cfg.num_disk_slots(-(-total // nb)), unpadded)
+
+
+def _build_connector_class() -> type:
+    try:
+        import vllm
+        from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as scc
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+        from vllm.v1.simple_kv_offload.sizing import sync_num_offload_blocks_across_workers
+        from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+    except ImportError as e:
+        raise ImportError(
+            f"kvoffload.vllm needs vLLM {SUPPORTED_VLLM} (pip install 'vllm==0.33.*'): {e}"
+        ) from e
+    _check_interface(getattr(vllm, "__version__", "unknown"), KVConnectorBase_V1,
+                     SimpleCPUOffloadWorker, SimpleCPUOffloadScheduler)
+    from kvoffload.disk_backend import DiskBackend
+
+    class KvoffloadWorker(SimpleCPUOffloadWorker):
+        """vLLM's worker with kvoffload's backend, sizing rule and rank naming in disk mode."""
+
+        def __init__(self, *args: Any, offload: OffloadConfig, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.offload = offload
+            self.rank_path: str | None = None
+
+        def _resolve_num_cpu_blocks(self, capacity_bytes: int, bytes_per_block: int) -> int:
+            if not self.disk_mode:
+                return super()._resolve_num_cpu_blocks(capacity_bytes, bytes_per_block)
+            local = self.offload.num_disk_slots(bytes_per_block)
+            requested = self._num_cpu_blocks_override
+            if requested is not None:
+                if requested > local:
+                    raise ValueError(
+                        f"num_cpu_blocks={requested} exceeds this rank's {local} disk slots "
+                        f"(disk_capacity_bytes={self.offload.disk_capacity_bytes} // "
+                        f"{self.offload.slot_bytes(bytes_per_block)} B per slot)"
+                    )
+                return requested
+            # All-reduce MIN: PP stages differ in bytes per block; every rank must
+            # hold every slot id the scheduler hands out (#52921).
+            return sync_num_offload_blocks_across_workers(local)
+
+        def _init_disk_mode(self, unique_gpu_caches, total_bytes_per_block, device) -> None:
+            assert self.disk_path is not None
+            self.rank_path = rank_disk_path(self.disk_path, *_ranks(self.vllm_config))
+            logger.info(
+                "kvoffload: %d tensors, %d disk slots of %d B at %s",
+                len(unique_gpu_caches), self.num_cpu_blocks,
+                self.offload.slot_bytes(total_bytes_per_block), self.rank_path,
+            )
+            backend = DiskBackend()
+            backend.init(
+                unique_gpu_caches, device, self.load_stream, self.store_stream, self.rank_path,
+                self.num_cpu_blocks, total_bytes_per_block, self.disk_buffer_slots,
+                self.use_page_cache, **self.offload.backend_kwargs(),
+            )
+            self._backend = backend
+
+        def bind_connector_metadata(self, metadata) -> None:
+            # The scheduler may see another rank's layout (PP); refuse before any
+            # copy could touch a slot past the end of this rank's file.
+            sched = getattr(metadata, "kvoffload_num_slots", None)
+            if self.disk_mode and sched is not None and self.num_cpu_blocks and sched > self.num_cpu_blocks:
+                raise RuntimeError(
+                    f"kvoffload: the scheduler uses {sched} disk slots but this rank's file "
+                    f"{self.rank_path} has {self.num_cpu_blocks}; set kv_connector_extra_config "
+                    f'"num_cpu_blocks": {self.num_cpu_blocks} (or less) for every rank'
+                )
+            super().bind_connector_metadata(metadata)
+
+    class KvoffloadConnector(scc.SimpleCPUOffloadConnector):
+        """``SimpleCPUOffloadConnector`` with kvoffload's disk backend (vLLM 0.33.x)."""
+
+        def __init__(self, vllm_config, role, kv_cache_config) -> None:
+            ktc = vllm_config.kv_transfer_config
+            extra = dict((ktc.kv_connector_extra_config if ktc is not None else None) or {})
+            cfg = OffloadConfig.from_extra_config(extra)
+            self.offload = cfg
+            self._kvoffload_num_slots: int | None = None
+            vllm_extra = cfg.normalized_extra(extra)
+            if cfg.disk_mode and role == KVConnectorRole.SCHEDULER and cfg.num_cpu_blocks is None:
+                # Without this, vLLM sizes the scheduler pool from unpadded block bytes
+                # (the engine only aligns it for the connector named
+                # "SimpleCPUOffloadConnector"): more slots than any rank's file holds.
+                self._kvoffload_num_slots = scheduler_num_slots(cfg, kv_cache_config)
+                vllm_extra["num_cpu_blocks"] = self._kvoffload_num_slots
+            elif cfg.disk_mode and role == KVConnectorRole.SCHEDULER:
+                self._kvoffload_num_slots = cfg.num_cpu_blocks
+            if vllm_extra != extra:
+                vllm_config = _with_extra(vllm_config, vllm_extra)
+            super().__init__(vllm_config, role, kv_cache_config)
+            if cfg.disk_mode and ktc.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    'kvoffload: kv_load_failure_policy is %r; a failed disk read will fail its '
+                    'request. Set "kv_load_failure_policy": "recompute" to recompute instead.',
+                    ktc.kv_load_failure_policy,
+                )
+            if cfg.disk_mode and self.worker_handler is not None:
+                self.worker_handler = KvoffloadWorker(
+                    vllm_config, kv_cache_config,
+                    cfg.cpu_bytes_per_rank(vllm_config.parallel_config.world_size),
+                    kv_offload_backend="disk", disk_path=cfg.disk_path,
+                    disk_capacity_bytes=cfg.disk_capacity_bytes,
+                    disk_buffer_slots=cfg.disk_buffer_slots, use_page_cache=cfg.use_page_cache,
+                    num_cpu_blocks=cfg.num_cpu_blocks, offload=cfg,
+                )
+
+        def build_connector_meta(self, scheduler_output):
+            meta = super().build_connector_meta(scheduler_output)
+            if self._kvoffload_num_slots is not None:
+                meta.kvoffload_num_slots = self._kvoffload_num_slots
+            return meta
+
+        def _disk_backend(self):
+            backend = getattr(self.worker_handler, "_backend", None)
+            return backend if isinstance(backend, DiskBackend) else None
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            backend = self._disk_backend()
+            if backend is None:
+                return set()
+            bad = backend.get_block_ids_with_load_errors()
+            if bad:
+                logger.warning("kvoffload: %d block(s) failed to load from disk; reported to vLLM "
+                               "(kv_load_failure_policy decides: recompute or fail)", len(bad))
+            return bad
+
+        def get_finished(self, finished_req_ids):
+            out = super().get_finished(finished_req_ids)
+            backend = self._disk_backend()
+            if backend is not None:
+                failed = backend.get_failed_store_slots()
+                if failed:
+                    # vLLM 0.33 has no failed-store channel: the scheduler will list these
+                    # slots as cached, and the backend fails any load of them (reported
+                    # above), so a failed store is never served as KV.
+                    logger.warning("kvoffload: %d block(s) failed to store to disk; they will "
+                                   "miss (recompute) instead of loading", len(failed))
+            return out
+
+        def shutdown(self) -> None:
+            backend = self._disk_backend()
+            if backend is not None:
+                backend.shutdown()
+            super().shutdown()
+
+    KvoffloadConnector.__module__ = __name__
+    KvoffloadWorker.__module__ = __name__
+    _CLASSES["KvoffloadWorker"] = KvoffloadWorker
+    return KvoffloadConnector
+
+
+def _with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
+    """A shallow copy of ``vllm_config`` whose transfer config carries ``extra``.
+
+    A copy, not an in-place edit: with the in-process executor the scheduler and the
+    worker share one config object, and the scheduler-only ``num_cpu_blocks`` must not
+    reach the worker.
+    """
+    import copy
+    import dataclasses
+
+    out = copy.copy(vllm_config)
+    out.kv_transfer_config = dataclasses.replace(vllm_config.kv_transfer_config,
+                                                 kv_connector_extra_config=extra)
+    return out

@@ -1,0 +1,158 @@
+"""kv_connector_extra_config parsing, slot sizing and per-rank naming (no vLLM needed)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from kvoffload.config import (
+    DEFAULT_DISK_CAPACITY_BYTES,
+    OffloadConfig,
+    num_slots,
+    parse_size,
+    rank_disk_path,
+)
+
+DISK = {"kv_offload_backend": "disk", "disk_path": "/nvme/kv.bin"}
+
+
+def parse(**extra):
+    return OffloadConfig.from_extra_config(extra)
+
+
+def test_defaults_match_vllm() -> None:
+    cfg = OffloadConfig.from_extra_config(None)
+    assert (cfg.backend, cfg.disk_capacity_bytes, cfg.disk_buffer_slots) == ("cpu", 100 * 2**30, 2)
+    assert (cfg.use_page_cache, cfg.checksums, cfg.io_depth, cfg.named_file) == (False, True, None, False)
+    assert cfg.cpu_bytes_to_use == 8 * 2**30
+    assert parse(**DISK).disk_capacity_bytes == DEFAULT_DISK_CAPACITY_BYTES
+
+
+def test_full_disk_config() -> None:
+    cfg = parse(**DISK, disk_capacity_bytes="1.5 GiB", disk_buffer_slots=4, use_page_cache=True,
+                checksums=False, io_depth=16, named_file=True, lazy_offload=True, num_cpu_blocks=10)
+    assert cfg.disk_mode and cfg.disk_capacity_bytes == 1610612736
+    assert cfg.backend_kwargs() == {"checksums": False, "io_depth": 16, "named_file": True}
+
+
+@pytest.mark.parametrize("value, expected", [
+    (107374182400, 107374182400), ("100GiB", 100 * 2**30), ("512MB", 512 * 10**6),
+    ("1.5 GiB", 3 * 2**29), ("4kib", 4096), ("2 TB", 2 * 10**12), ("123", 123), (1e9, 10**9),
+])
+def test_sizes(value, expected) -> None:
+    assert parse_size("disk_capacity_bytes", value) == expected
+
+
+@pytest.mark.parametrize("value, match", [
+    (True, "not a bool"), (1.5, "integer number of bytes"), ("1.3B", "whole number"),
+    ("12 parsecs", "GiB"), ("-1GiB", "integer number of bytes"), (None, "integer number"),
+])
+def test_bad_sizes(value, match) -> None:
+    with pytest.raises(ValueError, match=r"^disk_capacity_bytes=") as e:
+        parse(**DISK, disk_capacity_bytes=value)
+    assert e.match(match)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"kv_offload_backend": "nvme"}, r"kv_offload_backend='nvme': expected one of \('cpu', 'disk'\)"),
+    ({"kv_offload_backend": "disk"}, r"requires disk_path"),
+    ({**DISK, "disk_path": ""}, r"disk_path='': expected a non-empty"),
+    ({**DISK, "disk_capacity_bytes": 0}, r"disk_capacity_bytes=0: must be > 0"),
+    ({**DISK, "disk_capacity_bytes": -5}, r"disk_capacity_bytes=-5: must be > 0"),
+    ({**DISK, "disk_buffer_slots": 0}, r"disk_buffer_slots=0: expected an integer >= 1"),
+    ({**DISK, "disk_buffer_slots": True}, r"disk_buffer_slots=True: expected an integer >= 1"),
+    ({**DISK, "io_depth": 0}, r"io_depth=0: expected an integer >= 1"),
+    ({**DISK, "use_page_cache": "false"}, r"use_page_cache='false': expected a JSON boolean"),
+    ({**DISK, "checksums": 1}, r"checksums=1: expected a JSON boolean"),
+    ({**DISK, "direct_io_alignment": 3000}, r"direct_io_alignment=3000: expected a power of two"),
+    ({"num_cpu_blocks": 0}, r"num_cpu_blocks=0"),
+])
+def test_bad_values_name_key_value_and_allowed(extra, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.from_extra_config(extra)
+
+
+def test_unknown_key_did_you_mean() -> None:
+    with pytest.raises(ValueError, match=r"'disk_capcity_bytes' \(did you mean 'disk_capacity_bytes'\?\)"):
+        parse(**DISK, disk_capcity_bytes=1)
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\): 'zzz'; known keys"):
+        parse(zzz=1)
+
+
+def test_every_vllm_key_is_accepted() -> None:
+    parse(lazy_offload=False, lazy_offload_min_prefix_tokens=16, num_cpu_blocks=8,
+          cpu_bytes_to_use="16GiB", cpu_bytes_to_use_per_rank=2**30, async_init=False,
+          cpu_offload_shared=False, cpu_hugepage_block_size="2MB")
+
+
+def test_disk_keys_under_cpu_warn_once(caplog) -> None:
+    with warnings.catch_warnings(record=True) as w, caplog.at_level(logging.WARNING, "kvoffload.config"):
+        warnings.simplefilter("always")
+        cfg = parse(disk_path="/x", disk_buffer_slots=4, checksums=False)
+    assert not cfg.disk_mode
+    assert len(w) == 1 and "disk_path, disk_buffer_slots, checksums" in str(w[0].message)
+    assert len(caplog.records) == 1 and "ignoring disk-only" in caplog.records[0].getMessage()
+
+
+def test_no_warning_in_disk_mode() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse(**DISK, checksums=True)
+
+
+def test_cpu_bytes_per_rank() -> None:
+    assert parse(cpu_bytes_to_use="8GiB").cpu_bytes_per_rank(4) == 2 * 2**30
+    assert parse(cpu_bytes_to_use="8GiB", cpu_bytes_to_use_per_rank=5).cpu_bytes_per_rank(4) == 5
+
+
+def test_normalized_extra_gives_vllm_ints() -> None:
+    extra = {**DISK, "disk_capacity_bytes": "1GiB", "checksums": False}
+    out = OffloadConfig.from_extra_config(extra).normalized_extra(extra)
+    assert out == {**extra, "disk_capacity_bytes": 2**30}
+
+
+def test_num_slots_one_rule() -> None:
+    assert num_slots(10 * 8192, 8192) == 10
+    assert num_slots(8192 + 8191, 8192) == 1
+    with pytest.raises(ValueError, match="smaller than one disk slot"):
+        num_slots(8191, 8192)
+
+
+def test_slot_sizing_pads_under_direct_io_only() -> None:
+    cfg = parse(**DISK, disk_capacity_bytes=2 * 4224)
+    assert cfg.slot_bytes(4224) == 8192
+    assert cfg.num_disk_slots(4224) == 1
+    page = parse(**DISK, disk_capacity_bytes=2 * 4224, use_page_cache=True)
+    assert page.slot_bytes(4224) == 4224 and page.num_disk_slots(4224) == 2
+    assert parse(**DISK, direct_io_alignment=8192).slot_bytes(4224) == 8192
+    assert parse(**DISK, direct_io_alignment=512).slot_bytes(4224) == 8192  # never below 4096
+
+
+def test_rank_paths_do_not_collide_when_every_process_sees_cuda0() -> None:
+    # TP=2 x PP=2 x DP=2, one process per GPU, each with CUDA_VISIBLE_DEVICES=<one gpu>.
+    paths = {rank_disk_path("/nvme/kv.bin", dp, r) for dp in range(2) for r in range(4)}
+    assert len(paths) == 8
+    assert rank_disk_path("/nvme/kv.bin", 1, 3) == "/nvme/kv.bin.dp1.rank3"
+
+
+def test_importing_kvoffload_never_imports_vllm() -> None:
+    code = "import sys, kvoffload, kvoffload.config, kvoffload.slot_pool; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_connector_without_vllm_names_the_supported_version() -> None:
+    pytest.importorskip("kvoffload.vllm")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed; tests/test_vllm_connector.py covers it")
+    import kvoffload.vllm as kvv
+
+    with pytest.raises(ImportError, match=r"needs vLLM 0\.33\.x"):
+        kvv.KvoffloadConnector

@@ -1,0 +1,148 @@
+"""KvoffloadConnector's worker side on the real vLLM 0.33 classes, with CPU tensors.
+
+Runs only where vLLM imports (``make test-vllm``). vLLM's config objects need a
+detected device platform, so the VllmConfig is a namespace holding the fields the
+connector and worker read; KVTransferConfig, KVCacheConfig, the connector, the
+worker and the metadata are vLLM's own. CUDA streams are stubbed: vLLM's
+``register_kv_caches`` creates them, and the CPU device of kvoffload ignores them.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor  # noqa: E402
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata  # noqa: E402
+
+import kvoffload.vllm as kvv  # noqa: E402
+
+NUM_BLOCKS, BLOCK_BYTES = 8, 4096 + 128  # padded to 8192 per slot under O_DIRECT
+
+
+class _Stream:
+    @staticmethod
+    def priority_range():
+        return 0, 0
+
+    def __init__(self, *a, **k) -> None:
+        pass
+
+
+def _config(tmp_path, **extra):
+    ktc = KVTransferConfig(
+        kv_connector="KvoffloadConnector", kv_connector_module_path="kvoffload.vllm", kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kv_offload_backend": "disk", "disk_path": str(tmp_path / "kv.bin"),
+                                   "use_page_cache": True, **extra},
+    )
+    return types.SimpleNamespace(
+        kv_transfer_config=ktc,
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True, simple_cpu_offload_num_blocks=None),
+        parallel_config=types.SimpleNamespace(world_size=1, data_parallel_rank=1),
+    )
+
+
+def _worker(tmp_path, monkeypatch, **extra):
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=NUM_BLOCKS * BLOCK_BYTES, layers=["layer.0"],
+                                        layer_stride=NUM_BLOCKS * BLOCK_BYTES, block_stride=BLOCK_BYTES)],
+        kv_cache_groups=[],
+    )
+    conn = kvv.KvoffloadConnector(_config(tmp_path, **extra), KVConnectorRole.WORKER, kv_cache_config)
+    cache = torch.arange(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int32).to(torch.int8).view(NUM_BLOCKS, BLOCK_BYTES)
+    conn.register_kv_caches({"layer.0": cache})
+    return conn, cache
+
+
+def _run_step(conn, meta):
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    done = None
+    for _ in range(2000):
+        _, done = conn.get_finished(set())
+        if done or meta.load_event < 0:
+            break
+        time.sleep(0.001)
+    conn.clear_connector_metadata()
+    return done
+
+
+def test_worker_runs_kvoffload_backend_round_trip(tmp_path, monkeypatch) -> None:
+    conn, cache = _worker(tmp_path, monkeypatch, disk_capacity_bytes="1MiB", checksums=True)
+    try:
+        w = conn.worker_handler
+        assert type(w).__name__ == "KvoffloadWorker"
+        assert type(w._backend).__module__ == "kvoffload.disk_backend"
+        assert w.rank_path == str(tmp_path / "kv.bin") + ".dp1.rank0"
+        assert w.num_cpu_blocks == (1 << 20) // BLOCK_BYTES  # page cache: raw block size
+        want = cache[:3].clone()
+        # Store blocks 0..2 into slots 5..7 straight through the backend (the worker's
+        # store path records a CUDA event first), then load them into blocks 4..6.
+        events: list = []
+        w._backend.launch_copy([0, 1, 2], [5, 6, 7], True, 0, events)
+        for _ in range(2000):
+            if events and events[0][1].query():
+                break
+            time.sleep(0.001)
+        assert events and events[0][0] == 0
+        meta = SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[4, 5, 6], load_cpu_blocks=[5, 6, 7],
+                                        load_event_to_reqs={0: ["req-a"]})
+        assert _run_step(conn, meta) == {"req-a"}
+        assert torch.equal(cache[4:7], want)
+        assert conn.get_block_ids_with_load_errors() == set()
+    finally:
+        conn.shutdown()
+
+
+def test_load_of_never_stored_slot_is_a_load_error(tmp_path, monkeypatch) -> None:
+    conn, _ = _worker(tmp_path, monkeypatch, disk_capacity_bytes="1MiB")
+    try:
+        meta = SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[3], load_cpu_blocks=[9],
+                                        load_event_to_reqs={0: ["req-b"]})
+        assert _run_step(conn, meta) == {"req-b"}
+        # Reported in the same pass as the completion: vLLM then applies "recompute".
+        assert conn.get_block_ids_with_load_errors() == {3}
+        assert conn.get_block_ids_with_load_errors() == set()
+    finally:
+        conn.shutdown()
+
+
+def test_scheduler_count_larger_than_rank_is_refused(tmp_path, monkeypatch) -> None:
+    conn, _ = _worker(tmp_path, monkeypatch, disk_capacity_bytes="1MiB")
+    try:
+        meta = SimpleCPUOffloadMetadata()
+        meta.kvoffload_num_slots = conn.worker_handler.num_cpu_blocks + 1
+        with pytest.raises(RuntimeError, match=r"scheduler uses \d+ disk slots but this rank's file"):
+            conn.bind_connector_metadata(meta)
+    finally:
+        conn.shutdown()
+
+
+def test_scheduler_pool_uses_the_padded_slot_rule(tmp_path) -> None:
+    from kvoffload.config import OffloadConfig
+
+    kv_cache_config = types.SimpleNamespace(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[types.SimpleNamespace(size=NUM_BLOCKS * BLOCK_BYTES)])
+    cfg = OffloadConfig.from_extra_config({"kv_offload_backend": "disk", "disk_path": "/x",
+                                           "disk_capacity_bytes": 10 * 8192})
+    assert kvv.scheduler_num_slots(cfg, kv_cache_config) == 10  # 4224 B padded to 8192, not 19
+
+
+def test_interface_check_names_supported_version() -> None:
+    class Worker:
+        def __init__(self, vllm_config, kv_cache_config):
+            pass
+
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.33\.x; the installed vLLM 9\.9 .*_init_disk_mode is missing"):
+        kvv._check_interface("9.9", object, Worker, Worker)
