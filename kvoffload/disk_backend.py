@@ -2,7 +2,7 @@
 
 A drop-in for vLLM's ``simple_kv_offload`` ``DiskBackend``. Each disk path gets a
 store lane and a load lane, each a queue served by ``io_depth`` threads with one
-pinned staging buffer per thread, so loads never wait behind stores and several
+pinned staging buffer per thread (two per load thread), so loads never wait behind stores and several
 IOs are in flight per direction (vLLM 0.33 keeps one). A thread takes one unit
 (a few blocks of one job), does the device copy and the file IO for it, and the
 device copy of one unit overlaps the IO of the others.
@@ -75,7 +75,11 @@ class _Lane:
         self.stream = stream
         self.queue: queue.SimpleQueue[Optional[_Unit]] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
-        self.staging: list[torch.Tensor] = []  # one [rows, slot_bytes] buffer per thread
+        self.rows = 1  # blocks per unit
+        # Per thread, its [rows, slot_bytes] staging buffers: one for a store
+        # thread, two for a load thread, which reads its next unit into one while
+        # the copy of the previous unit to the device still reads the other.
+        self.staging: list[list[torch.Tensor]] = []
 
 
 class _Run:
@@ -97,7 +101,11 @@ class _Run:
         self.open_jobs: dict[int, _Job] = {}
         self.job_ids = itertools.count()
         self.closing = False
-        self.copy_lock = threading.Lock()  # orders device copies against `closing`
+        # Orders loads' device copies against `closing`: a job that shutdown ended
+        # as failed must not get device blocks written afterwards. Held only to
+        # check and count, never across the copy, so threads copy side by side.
+        self.copy_cond = threading.Condition()
+        self.copies = 0
         self.fatal: Optional[BaseException] = None
         self.bytes_written = 0
         self.bytes_read = 0
@@ -186,18 +194,22 @@ class DiskBackend:
                 rows = max(1, io_unit_bytes // f.slot_bytes)
                 for is_store, stream in ((True, store_stream), (False, load_stream)):
                     lane = _Lane(f, is_store, stream)
+                    lane.rows = rows
                     for _ in range(depth):
-                        buf, backing = alloc_host(rows * f.slot_bytes, max(f.alignment, 4096))
-                        dev.pin(buf)
-                        run.pinned.append(buf)
-                        run.backing.append(backing)
-                        lane.staging.append(buf.view(rows, f.slot_bytes))
+                        bufs = []
+                        for _ in range(1 if is_store else 2):
+                            buf, backing = alloc_host(rows * f.slot_bytes, max(f.alignment, 4096))
+                            dev.pin(buf)
+                            run.pinned.append(buf)
+                            run.backing.append(backing)
+                            bufs.append(buf.view(rows, f.slot_bytes))
+                        lane.staging.append(bufs)
                     run.lanes.append(lane)
             for lane in run.lanes:
-                for k, staging in enumerate(lane.staging):
+                for k, buffers in enumerate(lane.staging):
                     t = threading.Thread(
                         target=self._serve,
-                        args=(run, lane, staging),
+                        args=(run, lane, buffers),
                         name=f"kvoffload-{'store' if lane.is_store else 'load'}-{k}",
                         daemon=True,
                     )
@@ -253,9 +265,8 @@ class DiskBackend:
         units: list[tuple[_Lane, _Unit]] = []
         job = _Job(event, pending=0)
         for lane, pairs in zip(lanes, per_lane):
-            rows = lane.staging[0].shape[0]
-            for i in range(0, len(pairs), rows):
-                chunk = pairs[i : i + rows]
+            for i in range(0, len(pairs), lane.rows):
+                chunk = pairs[i : i + lane.rows]
                 units.append((lane, _Unit(
                     job, [b for b, _ in chunk], [s for _, s in chunk], [s // n for _, s in chunk], wait_event,
                 )))
@@ -278,7 +289,7 @@ class DiskBackend:
         run, self._run = self._run, None
         if run is None:
             return
-        with run.copy_lock:
+        with run.copy_cond:
             run.closing = True
         threads = [t for lane in run.lanes for t in lane.threads]
         for lane in run.lanes:
@@ -288,6 +299,8 @@ class DiskBackend:
         for t in threads:
             t.join(max(0.0, deadline - self.clock()))
         alive = [t for t in threads if t.is_alive()]
+        with run.copy_cond:  # copies already under way finish before their jobs end
+            run.copy_cond.wait_for(lambda: run.copies == 0, max(0.0, deadline - self.clock()))
         # Jobs still held by a hung thread end as failed now, so no poll waits forever;
         # the thread checks `closing` before any later device copy.
         for job in list(run.open_jobs.values()):
@@ -328,25 +341,59 @@ class DiskBackend:
 
     # -- IO threads ------------------------------------------------------------
 
-    def _serve(self, run: _Run, lane: _Lane, staging: torch.Tensor) -> None:
+    def _serve(self, run: _Run, lane: _Lane, buffers: list[torch.Tensor]) -> None:
         stream = self._dev.bind_thread(lane.stream)
-        rows_mv = memoryview(staging.numpy()).cast("B")
+        views = [(b, memoryview(b.numpy()).cast("B")) for b in buffers]
+        turn = 0
+        pending: Optional[tuple[_Unit, set[int], Any]] = None  # a load whose device copy runs
         while True:
-            unit = lane.queue.get()
+            if pending is None:
+                unit = lane.queue.get()
+            else:
+                try:
+                    unit = lane.queue.get_nowait()
+                except queue.Empty:  # nothing to overlap with: finish the pending load now
+                    pending = self._settle(run, lane, pending)
+                    continue
             if unit is None:
+                self._settle(run, lane, pending)
                 return
             if run.closing or run.fatal is not None:
                 self._finish(run, lane, unit, failed=set(range(len(unit.slots))))
                 continue
+            staging, rows_mv = views[turn]
+            turn = (turn + 1) % len(views)
             try:
                 if lane.is_store:
-                    failed = self._store_unit(run, lane, stream, unit, staging, rows_mv)
-                else:
-                    failed = self._load_unit(run, lane, stream, unit, staging, rows_mv)
+                    self._finish(run, lane, unit, self._store_unit(run, lane, stream, unit, staging, rows_mv))
+                    continue
+                failed, ev = self._load_unit(run, lane, stream, unit, staging, rows_mv)
             except BaseException as e:  # device failure: fatal for the whole backend
                 self._fail_fatal(run, e, lane, unit)
+                pending = self._settle(run, lane, pending)
                 continue
-            self._finish(run, lane, unit, failed)
+            # The previous unit's copy had all of this unit's file IO to finish in;
+            # its buffer is the one the next unit reads into, so wait for it now.
+            self._settle(run, lane, pending)
+            pending = (unit, failed, ev)
+
+    def _settle(self, run: _Run, lane: _Lane, pending: Optional[tuple[_Unit, set[int], Any]]) -> None:
+        """Wait for a load's copy to the device, then finish its unit."""
+        if pending is None:
+            return None
+        unit, failed, ev = pending
+        if ev is not None:
+            try:
+                ev.synchronize()
+            except BaseException as e:
+                self._fail_fatal(run, e, lane, unit)
+                return None
+            finally:
+                with run.copy_cond:
+                    run.copies -= 1
+                    run.copy_cond.notify_all()
+        self._finish(run, lane, unit, failed)
+        return None
 
     def _store_unit(self, run, lane, stream, unit, staging, rows_mv) -> set[int]:
         n = len(unit.block_ids)
@@ -370,7 +417,8 @@ class DiskBackend:
                 run.bytes_written += (j1 - j0) * lane.file.slot_bytes
         return failed
 
-    def _load_unit(self, run, lane, stream, unit, staging, rows_mv) -> set[int]:
+    def _load_unit(self, run, lane, stream, unit, staging, rows_mv) -> tuple[set[int], Any]:
+        """Read and verify a unit, then start its copy to the device; returns (failed, copy event)."""
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, s in enumerate(unit.slots) if run.sums[s] is None}
         for j0, j1 in _runs(unit.local, skip=failed):
@@ -388,17 +436,22 @@ class DiskBackend:
                     logger.warning("checksum mismatch in slot %d of %s", unit.slots[j], lane.file.path)
                     failed.add(j)
         good = [j for j in range(len(unit.slots)) if j not in failed]
-        if good:
-            with run.copy_lock:
-                if run.closing:  # released from a hang after shutdown: the blocks are not ours
-                    return set(range(len(unit.slots)))
-                ev = self._dev.copy_to_device(
-                    stream, self._layout, staging, good, [unit.block_ids[j] for j in good]
-                )
-            # The staging rows are reused by this thread's next unit only after the
-            # copy to the device has read them (vLLM's trailing-drain fix).
-            ev.synchronize()
-        return failed
+        if not good:
+            return failed, None
+        with run.copy_cond:
+            if run.closing:  # released from a hang after shutdown: the blocks are not ours
+                return set(range(len(unit.slots))), None
+            run.copies += 1
+        try:
+            # Not waited for here: _serve settles it before these staging rows are
+            # read into again (vLLM's trailing-drain fix, one unit later).
+            ev = self._dev.copy_to_device(stream, self._layout, staging, good, [unit.block_ids[j] for j in good])
+        except BaseException:
+            with run.copy_cond:
+                run.copies -= 1
+                run.copy_cond.notify_all()
+            raise
+        return failed, ev
 
     def _io(self, lane: _Lane, rows_mv: memoryview, local_slot: int, j0: int, j1: int) -> None:
         f = lane.file
