@@ -1,0 +1,273 @@
+"""The vLLM engine model: prefill queue, chunked batches, steps, parked loads.
+
+Each step boundary (one ``STEP`` event) finishes the running batch, polls offload
+completions (once per step, high-water mark), re-admits requests whose load is
+done, and forms the next batch the V1 way: running requests first (decode 1 token,
+prefill a chunk), then waiting requests in FIFO order while the token budget,
+``max_num_seqs`` and free GPU blocks allow. A waiting request whose prefix
+continues in the offload tier is parked until its load is seen complete, unless
+recomputing would finish sooner (``load_policy="faster"``).
+Runs of decode-only steps with nothing else due are fast-forwarded as one event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvsim.events import Event, Kind
+from kvsim.gpu_cache import GpuPrefixCache
+from kvsim.hardware import Hardware
+from kvsim.models import ModelShape
+from kvsim.offload import OffloadTier
+from kvsim.request import Request, block_keys
+
+LOAD_POLICIES = ("always", "faster")
+
+
+@dataclass(slots=True)
+class Batch:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    steps: int = 1  # > 1: fast-forwarded decode-only steps
+
+
+class Engine:
+    def __init__(
+        self,
+        model: ModelShape,
+        hw: Hardware,
+        tier: Optional[OffloadTier],
+        next_event_time: Callable[[], Optional[int]],
+        load_policy: str = "faster",
+    ) -> None:
+        if load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
+        self.model, self.hw, self.tier = model, hw, tier
+        self.bs = hw.block_size
+        self.gpu = GpuPrefixCache(hw.gpu_kv_bytes // (model.kv_bytes_per_token * self.bs))
+        self._next_event_time = next_event_time
+        self.load_policy = load_policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_parked = 0
+        self.finished: list[Request] = []
+        self.rejected: list[Request] = []
+        self._busy = False  # a STEP event is pending
+        self._waiting_tokens = 0  # prompt tokens of waiting requests not yet admitted
+        self._seen: set[int] = set()  # keys ever computed: a later miss is a recompute
+        self.num_steps = 0
+        self._flops_rate = hw.peak_tflops * 1e12 * hw.mfu_prefill  # FLOP/s
+        self._mem_rate = hw.hbm_tbps * 1e12 * hw.decode_bw_eff  # B/s
+
+    # -- time model -------------------------------------------------------------
+
+    def step_ns(self, flops: float, kv_read_bytes: float) -> int:
+        compute = flops / self._flops_rate
+        memory = (self.model.weight_bytes + kv_read_bytes) / self._mem_rate
+        return round((self.hw.step_fixed_ms * 1e-3 + max(compute, memory)) * 1e9)
+
+    def prefill_ns(self, n_new: int, n_ctx: int) -> int:
+        """A lone prefill's compute time, for the load-or-recompute choice."""
+        return round(self.model.prefill_flops(n_new, n_ctx) / self._flops_rate * 1e9)
+
+    def recompute_eta_ns(self, n_new: int, n_ctx: int) -> int:
+        """When recomputing would be done if the GPU first drained the queued prefills.
+
+        A saturated GPU makes every recompute wait for (or delay) the queue, while a
+        load costs the GPU nothing, so the queue counts against recomputing; the
+        backlog is priced at the linear (weights) FLOPs, without attention.
+        """
+        backlog = self._waiting_tokens + sum(r.prompt - r.computed for r in self.running)
+        per_token = 2.0 * self.model.params_nonembed / self._flops_rate
+        return self.prefill_ns(n_new, n_ctx) + round(backlog * per_token * 1e9)
+
+    # -- event handlers ---------------------------------------------------------
+
+    def on_arrival(self, ev: Event) -> list[Event]:
+        req: Request = ev.payload
+        need = math.ceil((req.prompt + req.output) / self.bs)
+        if need > self.gpu.num_blocks:
+            self.rejected.append(req)  # could never fit, would block the queue forever
+            return []
+        self.waiting.append(req)
+        self._waiting_tokens += req.prompt
+        return self._kick(ev.time_ns)
+
+    def on_io_done(self, ev: Event) -> list[Event]:
+        # Only an idle engine cares: a busy one polls at its next step boundary.
+        return self._kick(ev.time_ns) if self.num_parked else []
+
+    def _kick(self, now: int) -> list[Event]:
+        if self._busy:
+            return []
+        self._busy = True
+        return [Event(now, Kind.STEP)]
+
+    def on_step(self, ev: Event) -> list[Event]:
+        now = ev.time_ns
+        if ev.payload is not None:
+            self._finish_batch(now, ev.payload)
+        out: list[Event] = []
+        if self.tier is not None:
+            resumed = self.tier.poll(now)
+            for req in resumed:
+                self._resume(req, now)
+            self.waiting.extendleft(reversed(resumed))
+        batch, dur = self._schedule(now, out)
+        if batch is None:
+            self._busy = False
+            return out
+        self.num_steps += batch.steps
+        out.append(Event(now + dur, Kind.STEP, payload=batch))
+        return out
+
+    # -- batches ----------------------------------------------------------------
+
+    def _schedule(self, now: int, out: list[Event]) -> tuple[Optional[Batch], int]:
+        hw = self.hw
+        budget = hw.max_num_batched_tokens
+        batch = Batch()
+        for r in self.running:
+            left = r.prompt - r.computed
+            if left:
+                n = min(left, budget)
+                if n and (hw.chunked_prefill or n == left):
+                    batch.prefills.append((r, n))
+                    budget -= n
+            elif budget:
+                batch.decodes.append(r)
+                budget -= 1
+        while self.waiting and budget and len(self.running) < hw.max_num_seqs:
+            r = self.waiting[0]
+            if not r.allocated:
+                state = self._admit(now, r, out)
+                if state == "blocked":
+                    break
+                if state == "parked":
+                    self.waiting.popleft()
+                    continue
+            left = r.prompt - r.computed
+            n = min(left, budget)
+            if not hw.chunked_prefill and n < left:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            batch.prefills.append((r, n))
+            budget -= n
+        if not batch.prefills and not batch.decodes:
+            return None, 0
+        return batch, self._batch_ns(now, batch)
+
+    def _batch_ns(self, now: int, batch: Batch) -> int:
+        m = self.model
+        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
+        n_dec = len(batch.decodes)
+        ctx = sum(r.prompt + r.generated for r in batch.decodes)
+        kvb = m.kv_bytes_per_token
+        dur = self.step_ns(flops + m.decode_flops(n_dec, ctx), ctx * kvb)
+        if batch.prefills or not n_dec:
+            return dur
+        # Decode only: take further steps while no event falls before a boundary,
+        # since nothing could change the batch then; stop before the first finish.
+        limit = min(r.output - r.generated for r in batch.decodes)
+        t_next = self._next_event_time()
+        total, steps = dur, 1
+        while steps < limit and (t_next is None or now + total < t_next):
+            ctx += n_dec
+            total += self.step_ns(m.decode_flops(n_dec, ctx), ctx * kvb)
+            steps += 1
+        batch.steps = steps
+        return total
+
+    def _admit(self, now: int, r: Request, out: list[Event]) -> str:
+        """Allocate GPU blocks for a waiting request; ``blocked``, ``parked`` or ``ready``."""
+        bs = self.bs
+        if not r.keys:
+            r.keys = block_keys(r.trace, bs)
+        keys = r.keys
+        # vLLM always computes the last prompt token, so a full hit leaves one block.
+        cap = min(len(keys), (r.prompt - 1) // bs)
+        g = min(self.gpu.lookup(keys), cap)
+        total = math.ceil((r.prompt + r.output) / bs)
+        if not self.gpu.can_allocate(keys[:g], total - g):
+            return "blocked"
+        self.gpu.allocate(keys[:g], total - g)
+        self._waiting_tokens -= r.prompt
+        r.allocated = True
+        r.owned = keys[:g]
+        r.num_anon = total - g
+        r.published = g
+        r.computed = g * bs
+        r.gpu_hit_blocks = g
+        m = 0
+        tier = self.tier
+        if tier is not None and g < cap:
+            m = tier.lookup(keys[g:cap])
+        if m:
+            load_keys = keys[g : g + m]
+            slots = tier.pool.prepare_load(load_keys)  # pins
+            eta = tier.load_eta_ns(now, slots) + round(self.hw.step_fixed_ms * 1e6)
+            if self.load_policy == "faster" and eta > self.recompute_eta_ns(m * bs, g * bs):
+                tier.pool.complete_load(load_keys, ok=True)  # unpin: recompute instead
+                m = 0
+            else:
+                out.append(tier.load(now, load_keys, slots, r))
+                r.load_blocks = m
+        if tier is not None:
+            tier.pool.touch(keys[: g + m])
+        seen = self._seen
+        s = 0
+        for k in keys[:cap]:
+            if k not in seen:
+                break
+            s += 1
+        r.recomputed_tokens = max(0, s - g - m) * bs
+        seen.update(keys)
+        if m:
+            self.num_parked += 1
+            return "parked"
+        return "ready"
+
+    def _resume(self, r: Request, now: int) -> None:
+        """A load is seen complete: its blocks are computed tokens now."""
+        self.num_parked -= 1
+        r.resumed_ns = now
+        self._publish(r, r.gpu_hit_blocks + r.load_blocks)
+        r.computed = r.published * self.bs
+
+    def _publish(self, r: Request, upto: int) -> None:
+        gpu, keys, owned = self.gpu, r.keys, r.owned
+        for i in range(r.published, upto):
+            if gpu.publish(keys[i]):
+                owned.append(keys[i])
+                r.num_anon -= 1
+        r.published = upto
+
+    def _finish_batch(self, now: int, batch: Batch) -> None:
+        bs, tier = self.bs, self.tier
+        for r, n in batch.prefills:
+            r.computed += n
+            upto = min(r.computed // bs, len(r.keys))
+            if upto > r.published:
+                self._publish(r, upto)
+                if tier is not None:
+                    tier.store(now, r.keys[:upto])  # eager: every computed block
+            if r.computed == r.prompt:
+                r.first_token_ns = now
+                r.generated = 1
+        for r in batch.decodes:
+            r.generated += batch.steps
+        done = [r for r in self.running if r.computed == r.prompt and r.generated >= r.output]
+        if not done:
+            return
+        for r in done:
+            r.finish_ns = now
+            self.gpu.free(r.owned, r.num_anon)
+            r.keys = []
+            r.owned = []
+            self.finished.append(r)
+        self.running = [r for r in self.running if r.finish_ns is None]

@@ -1,0 +1,74 @@
+"""IO resources: FIFO server stations, the OS page cache and dirty write-back.
+
+Stations are N identical servers (IO threads), each serving one job at a time in
+submission order, as BLIS models disks: N servers, not fair-shared bandwidth. A
+job's completion time is fixed when it is submitted, which is exact for FIFO
+servers and keeps the event loop free of per-block events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class IoStation:
+    def __init__(self, servers: int) -> None:
+        assert servers >= 1
+        self._free_at = [0] * servers
+        self.busy_ns = 0
+
+    def _server(self) -> int:
+        free_at = self._free_at
+        return free_at.index(min(free_at))  # lowest index on ties: deterministic
+
+    def backlog_ns(self, now: int) -> int:
+        """How long a job submitted now waits before a server takes it."""
+        return max(0, min(self._free_at) - now)
+
+    def submit(self, now: int, service_ns: int) -> int:
+        """Queue a job; return its completion time."""
+        i = self._server()
+        done = max(now, self._free_at[i]) + service_ns
+        self._free_at[i] = done
+        self.busy_ns += service_ns
+        return done
+
+
+class PageCache:
+    """Resident slots of the slot file, LRU, ``capacity`` slots of host free memory."""
+
+    def __init__(self, capacity_slots: int) -> None:
+        self.capacity = max(0, capacity_slots)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def num_resident(self, slots: Sequence[int]) -> int:
+        lru = self._lru
+        return sum(1 for s in slots if s in lru)
+
+    def touch(self, slots: Sequence[int]) -> None:
+        """Buffered reads and writes both leave the pages resident and most recent."""
+        lru = self._lru
+        for s in slots:
+            if s in lru:
+                lru.move_to_end(s)
+            else:
+                lru[s] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+
+class WriteBack:
+    """Kernel write-back of dirty pages at disk speed; writers stall above the dirty limit."""
+
+    def __init__(self, write_gbps: float, dirty_limit_bytes: float) -> None:
+        self._gbps = write_gbps
+        self._limit_ns = dirty_limit_bytes / write_gbps  # backlog, in ns of disk time
+        self._free_at = 0
+        self.bytes_written = 0
+
+    def dirty(self, now: int, nbytes: int) -> int:
+        """Dirty ``nbytes`` at ``now``; return when the writer may continue."""
+        self._free_at = max(self._free_at, now) + round(nbytes / self._gbps)
+        self.bytes_written += nbytes
+        return max(now, self._free_at - round(self._limit_ns))

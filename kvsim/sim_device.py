@@ -1,0 +1,227 @@
+"""A simulated device for kvoffload's ``Device`` seam: copies finish when the test says.
+
+Each copy is queued at launch and its bytes move only when it completes, so code
+that reads a staging row before its device->host copy completed sees stale bytes,
+and code that overwrites a row whose host->device copy is still in flight corrupts
+the device block, exactly the bugs a real GPU shows only under load. Events report
+False until then. Copies on one stream complete in launch order and never before
+their ``wait_event``. The test completes copies with ``complete_next`` /
+``complete_all``, or gives each a virtual delay and drives ``advance_to``.
+Strict checks: copies need a pinned host buffer and a thread that called
+``bind_thread``, as async CUDA copies do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from kvoffload.device import BlockLayout, DeviceEvent
+
+from kvsim.clock import Clock
+
+
+@dataclass(frozen=True, eq=False)
+class SimStream:
+    """A per-thread stream; compared by identity, as CUDA streams are."""
+
+    thread: str
+    lane_stream: Any
+
+
+class SimEvent:
+    """A copy's completion, duck-typed like ``torch.cuda.Event``."""
+
+    def __init__(self, device: "SimDevice", copy_id: int) -> None:
+        self._device = device
+        self.copy_id = copy_id
+        self.done = False
+        self.done_at_ns: Optional[int] = None
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self, timeout: Optional[float] = None) -> None:
+        """Block until the test completes this copy (``timeout`` s, default the device's)."""
+        self._device._wait(self, timeout)
+
+    def __repr__(self) -> str:
+        return f"SimEvent(copy {self.copy_id}, {'done' if self.done else 'pending'})"
+
+
+@dataclass
+class _Copy:
+    copy_id: int
+    to_host: bool
+    stream: Any
+    layout: BlockLayout
+    block_ids: list[int]
+    host: torch.Tensor
+    rows: list[int]
+    wait_event: Optional[DeviceEvent]
+    due_ns: Optional[int]
+    event: SimEvent
+
+    def ready(self) -> bool:
+        return self.wait_event is None or self.wait_event.query()
+
+    def host_ranges(self) -> list[tuple[int, int]]:
+        row_bytes = self.host.stride(0) * self.host.element_size()
+        base = self.host.data_ptr()
+        return [(base + r * row_bytes, row_bytes) for r in self.rows]
+
+    def move_bytes(self) -> None:
+        ids = torch.as_tensor(self.block_ids, dtype=torch.long)
+        rows = torch.as_tensor(self.rows, dtype=torch.long)
+        h = self.host.view(torch.int8)
+        for cache, off in zip(self.layout.caches, self.layout.offsets):
+            b = cache.shape[1]
+            if self.to_host:
+                h[:, off : off + b].index_copy_(0, rows, cache.index_select(0, ids))
+            else:
+                cache.index_copy_(0, ids, h[:, off : off + b].index_select(0, rows))
+
+
+class SimDevice:
+    def __init__(self, clock: Optional[Clock] = None, delay_ns: Optional[int] = None,
+                 sync_timeout: float = 10.0) -> None:
+        """``delay_ns`` with a ``clock``: a copy is due ``delay_ns`` after its launch."""
+        if (clock is None) != (delay_ns is None):
+            raise ValueError("give both clock and delay_ns, or neither")
+        self.clock, self.delay_ns, self.sync_timeout = clock, delay_ns, sync_timeout
+        self._cv = threading.Condition()
+        self._pending: list[_Copy] = []  # launch order
+        self._ids = itertools.count()
+        self._pinned: dict[int, int] = {}  # data_ptr -> nbytes
+        self._bound: set[int] = set()  # thread idents
+        self.log: list[tuple[str, int, str]] = []  # ("launch"|"complete", copy_id, "to_host"|"to_device")
+
+    # -- the Device seam --------------------------------------------------------
+
+    def bind_thread(self, stream: Any = None) -> Any:
+        """Register this thread; return its own stream, as ``CudaDevice`` gives each IO
+        thread one (copies of different threads are not ordered with each other)."""
+        with self._cv:
+            self._bound.add(threading.get_ident())
+        return SimStream(threading.current_thread().name, stream)
+
+    def pin(self, host: torch.Tensor) -> None:
+        with self._cv:
+            if host.data_ptr() in self._pinned:
+                raise RuntimeError("host buffer pinned twice (cudaHostRegister fails on that)")
+            self._pinned[host.data_ptr()] = host.numel() * host.element_size()
+
+    def unpin(self, host: torch.Tensor) -> None:
+        with self._cv:
+            if self._pinned.pop(host.data_ptr(), None) is None:
+                raise RuntimeError("unpin of a host buffer that is not pinned")
+            if any(c.host.data_ptr() == host.data_ptr() for c in self._pending):
+                raise RuntimeError("unpin while a copy from or to the buffer is in flight")
+
+    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None) -> SimEvent:
+        return self._launch(True, stream, layout, block_ids, host, rows, wait_event)
+
+    def copy_to_device(self, stream, layout, host, rows, block_ids) -> SimEvent:
+        return self._launch(False, stream, layout, block_ids, host, rows, None)
+
+    # -- the test's controls ----------------------------------------------------
+
+    def num_pending(self) -> int:
+        with self._cv:
+            return len(self._pending)
+
+    def wait_pending(self, n: int = 1, timeout: float = 5.0) -> bool:
+        """Wait until at least ``n`` copies are in flight (IO threads launch them)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._pending) >= n, timeout)
+
+    def complete_next(self) -> Optional[SimEvent]:
+        """Complete the oldest copy that may complete now; None when none is in flight."""
+        with self._cv:
+            if not self._pending:
+                return None
+            c = self._eligible()
+            if c is None:
+                raise RuntimeError(f"{len(self._pending)} copies in flight, none may complete "
+                                   "(each waits on its stream or its wait_event)")
+            self._complete(c)
+            return c.event
+
+    def complete_all(self) -> int:
+        n = 0
+        while self.complete_next() is not None:
+            n += 1
+        return n
+
+    def advance_to(self, t_ns: int) -> int:
+        """Move the clock to ``t_ns``, completing in order the copies due by then."""
+        if self.clock is None:
+            raise RuntimeError("advance_to needs a SimDevice built with a clock and delay_ns")
+        n = 0
+        with self._cv:
+            while True:
+                c = self._eligible()
+                if c is None or c.due_ns > t_ns:
+                    break
+                self.clock.advance_to(max(self.clock.now(), c.due_ns))
+                self._complete(c)
+                n += 1
+            self.clock.advance_to(t_ns)
+        return n
+
+    def busy(self, addr: int, nbytes: int) -> list[str]:
+        """Directions of in-flight copies touching host bytes [addr, addr + nbytes)."""
+        with self._cv:
+            return [("to_host" if c.to_host else "to_device")
+                    for c in self._pending
+                    for a, n in c.host_ranges()
+                    if a < addr + nbytes and addr < a + n]
+
+    # -- internals ----------------------------------------------------------------
+
+    def _launch(self, to_host, stream, layout, block_ids, host, rows, wait_event) -> SimEvent:
+        block_ids, rows = list(block_ids), list(rows)
+        if len(block_ids) != len(rows):
+            raise ValueError(f"{len(block_ids)} block ids but {len(rows)} rows")
+        with self._cv:
+            if threading.get_ident() not in self._bound:
+                raise RuntimeError("copy launched from a thread that never called bind_thread()")
+            ptr = host.data_ptr()
+            if not any(p <= ptr < p + n for p, n in self._pinned.items()):
+                raise RuntimeError("async copy with an unpinned host buffer (it would run synchronously)")
+            cid = next(self._ids)
+            due = None if self.clock is None else self.clock.now() + self.delay_ns
+            c = _Copy(cid, to_host, stream, layout, block_ids, host, rows, wait_event, due, SimEvent(self, cid))
+            self._pending.append(c)
+            self.log.append(("launch", cid, "to_host" if to_host else "to_device"))
+            self._cv.notify_all()
+            return c.event
+
+    def _eligible(self) -> Optional[_Copy]:
+        seen_streams: list[Any] = []
+        for c in self._pending:
+            if any(c.stream is s for s in seen_streams):
+                continue  # an earlier copy on its stream is still in flight
+            if c.ready():
+                return c
+            seen_streams.append(c.stream)
+        return None
+
+    def _complete(self, c: _Copy) -> None:
+        c.move_bytes()
+        self._pending.remove(c)
+        c.event.done_at_ns = None if self.clock is None else self.clock.now()
+        c.event.done = True
+        self.log.append(("complete", c.copy_id, "to_host" if c.to_host else "to_device"))
+        self._cv.notify_all()
+
+    def _wait(self, ev: SimEvent, timeout: Optional[float]) -> None:
+        t = self.sync_timeout if timeout is None else timeout
+        with self._cv:
+            if not self._cv.wait_for(lambda: ev.done, t):
+                raise TimeoutError(f"{ev!r} not completed after {t} s: the test never completed it")

@@ -1,0 +1,131 @@
+"""Trace readers: Mooncake FAST'25 jsonl and kvsim's own jsonl (docs/kvsim.md).
+
+Mooncake: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}`` with one
+id per 512-token block, the partial last block included. kvsim: ``{"arrival_us",
+"input_length", "output_length", "hash_ids", "block_tokens"?}`` (block_tokens
+defaults to 512). The format is told by the first record's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO, Optional
+
+import xxhash
+
+MOONCAKE_BLOCK_TOKENS = 512
+_MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
+_KVSIM_KEYS = {"arrival_us", "input_length", "output_length", "hash_ids"}
+
+
+class TraceError(ValueError):
+    """A bad trace record; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_ns: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+
+def _int_field(rec: dict, key: str, where: str, minimum: int) -> int:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise TraceError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _parse(rec: object, fmt: Optional[str], where: str) -> tuple[str, TraceRequest]:
+    if not isinstance(rec, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    keys = set(rec)
+    if fmt is None:
+        fmt = "mooncake" if "timestamp" in keys else "kvsim" if "arrival_us" in keys else None
+        if fmt is None:
+            raise TraceError(f"{where}: neither a Mooncake record (timestamp) nor a kvsim record (arrival_us)")
+    need = _MOONCAKE_KEYS if fmt == "mooncake" else _KVSIM_KEYS
+    if missing := need - keys:
+        raise TraceError(f"{where}: {fmt} record lacks {', '.join(sorted(missing))}")
+    n_in = _int_field(rec, "input_length", where, 1)
+    n_out = _int_field(rec, "output_length", where, 0)
+    if fmt == "mooncake":
+        arrival_ns = _int_field(rec, "timestamp", where, 0) * 1_000_000
+        block = MOONCAKE_BLOCK_TOKENS
+    else:
+        arrival_ns = _int_field(rec, "arrival_us", where, 0) * 1_000
+        block = _int_field(rec, "block_tokens", where, 1) if "block_tokens" in rec else MOONCAKE_BLOCK_TOKENS
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of non-negative integers")
+    if len(ids) != math.ceil(n_in / block):
+        raise TraceError(
+            f"{where}: {len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{block}) = "
+            f"{math.ceil(n_in / block)} (one per {block}-token block, the partial last one included)"
+        )
+    return fmt, TraceRequest(arrival_ns, n_in, n_out, tuple(ids), block)
+
+
+def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Iterator[TraceRequest]:
+    fmt: Optional[str] = None
+    last_ns = 0
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not JSON: {e.msg} at column {e.colno}") from None
+        fmt, req = _parse(rec, fmt, where)
+        if req.arrival_ns < last_ns:
+            raise TraceError(f"{where}: arrival goes backwards ({req.arrival_ns} ns after {last_ns} ns)")
+        last_ns = req.arrival_ns
+        yield req
+
+
+def _keep(req: TraceRequest, fraction: float, seed: int) -> bool:
+    # Sample whole conversations: Mooncake ids are prefix-chained and every request
+    # starts with the shared block 0, so the second id names the conversation root.
+    root = req.hash_ids[1] if len(req.hash_ids) > 1 else req.hash_ids[0]
+    return xxhash.xxh64_intdigest(root.to_bytes(8, "little"), seed) < fraction * 2.0**64
+
+
+def read_trace(
+    path: str,
+    time_scale: float = 1.0,
+    sample: float = 1.0,
+    seed: int = 0,
+    limit: Optional[int] = None,
+) -> list[TraceRequest]:
+    """Read, sample conversations, stretch arrivals by ``time_scale`` (2 = half the rate)."""
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if not 0 < sample <= 1:
+        raise ValueError(f"sample must be in (0, 1], got {sample}")
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for req in parse_lines(f, path):
+            if sample < 1 and not _keep(req, sample, seed):
+                continue
+            if time_scale != 1:
+                req = TraceRequest(round(req.arrival_ns * time_scale), req.input_length,
+                                   req.output_length, req.hash_ids, req.block_tokens)
+            out.append(req)
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise TraceError(f"{path}: no requests (empty file, or --sample kept none)")
+    return out
+
+
+def write_kvsim(requests: Iterable[TraceRequest], f: IO[str]) -> None:
+    for r in requests:
+        rec = {"arrival_us": r.arrival_ns // 1_000, "input_length": r.input_length,
+               "output_length": r.output_length, "block_tokens": r.block_tokens, "hash_ids": list(r.hash_ids)}
+        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
