@@ -86,14 +86,19 @@ class SlotFile:
         try:
             fd, named = _create(osc, dir_fd, directory, name, use_page_cache, named_file)
         finally:
-            osc.close(dir_fd)
+            # A failed close of the directory fd must neither replace the create
+            # error nor leak the slot file's fd (found by tests/test_faults_sweep.py).
+            _close_quietly(osc, dir_fd, directory)
         try:
             alignment = _alignment(osc, fd, path, use_page_cache)
             slot_bytes = slot_bytes_for(block_bytes, alignment, use_page_cache)
             sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots)
             _reserve(osc, fd, sf.size, path)
-        except BaseException:
-            osc.close(fd)
+        except BaseException as e:
+            _close_quietly(osc, fd, path)
+            if isinstance(e, OSError) and not isinstance(e, SlotFileError):
+                # statx, fstatvfs or ftruncate failed: say for which path.
+                raise SlotFileError(e.errno, f"cannot set up the slot file for {path!r}: {e.strerror}") from e
             raise
         logger.info(
             "kvoffload slot file for %s: %d slots x %d B = %.2f GiB, %s, %s",
@@ -117,7 +122,10 @@ def _open_directory(osc: OsCalls, directory: str) -> int:
             ) from e
         raise SlotFileError(e.errno, f"cannot open disk_path directory {directory!r}: {e.strerror}") from e
     try:
-        st = osc.fstat(dir_fd)
+        try:
+            st = osc.fstat(dir_fd)
+        except OSError as e:
+            raise SlotFileError(e.errno, f"cannot stat disk_path directory {directory!r}: {e.strerror}") from e
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise SlotFileError(
                 errno.EPERM,
@@ -126,7 +134,7 @@ def _open_directory(osc: OsCalls, directory: str) -> int:
                 "use a private directory",
             )
     except BaseException:
-        osc.close(dir_fd)
+        _close_quietly(osc, dir_fd, directory)
         raise
     return dir_fd
 
@@ -143,7 +151,11 @@ def _create(osc, dir_fd, directory, name, use_page_cache, named_file) -> tuple[i
                 raise SlotFileError(e.errno, f"cannot create slot file in {directory!r}: {e.strerror}") from e
             logger.info("O_TMPFILE unavailable in %s (%s); using a named file", directory, e.strerror)
         else:
-            _fix_mode(osc, fd)
+            try:
+                _fix_mode(osc, fd)
+            except OSError as e:  # close it: the fd leaked here (tests/test_faults_sweep.py)
+                _close_quietly(osc, fd, directory)
+                raise SlotFileError(e.errno, f"cannot set mode 0600 on the slot file in {directory!r}: {e.strerror}") from e
             return fd, False
     return _create_named(osc, dir_fd, directory, name, flags, use_page_cache), True
 
@@ -179,12 +191,28 @@ def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
             # long as our fd, and a crash leaves nothing behind.
             osc.unlink(name, dir_fd=dir_fd)
         except OSError as e:
-            osc.close(fd)
+            # Drop the name we just created (O_EXCL made it ours, and nobody else may
+            # unlink in this directory), so a failed init leaves no file behind; it
+            # is still empty. If unlink keeps failing, the next init removes it.
+            try:
+                osc.unlink(name, dir_fd=dir_fd)
+            except OSError:
+                pass
+            _close_quietly(osc, fd, path)
             raise SlotFileError(e.errno, f"cannot secure {path!r}: {e.strerror}") from e
         return fd
     raise SlotFileError(
         errno.EEXIST, f"{path!r} kept reappearing between unlink and create; refusing to use it"
     )
+
+
+def _close_quietly(osc: OsCalls, fd: int, what: str) -> None:
+    # close(2): Linux releases the fd even when close reports an error, and a retry
+    # could close another thread's fd; so log and go on.
+    try:
+        osc.close(fd)
+    except OSError as e:
+        logger.warning("closing fd %d for %s failed: %s", fd, what, e)
 
 
 def _fix_mode(osc: OsCalls, fd: int) -> None:

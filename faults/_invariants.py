@@ -1,0 +1,227 @@
+"""Invariant checkers: fds, files, threads, file mode, file-system type, and the job ledger."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+TMPFS_MAGIC = 0x01021994
+EXT4_SUPER_MAGIC = 0xEF53
+
+
+# -- file descriptors ---------------------------------------------------------------
+
+
+def fd_table() -> dict[int, str]:
+    """fd -> readlink target, from /proc/self/fd (the fd listing itself is left out)."""
+    out = {}
+    dfd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in os.listdir(dfd):
+            fd = int(name)
+            if fd == dfd:
+                continue
+            try:
+                out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed while we looked
+                pass
+    finally:
+        os.close(dfd)
+    return out
+
+
+class FdWatch:
+    """No fd leaked: diff /proc/self/fd against a snapshot, allowing only declared leaks
+    (RocksDB ``AssertNoOpenFile``). ``close_declared`` closes the deliberate leaks."""
+
+    def __init__(self) -> None:
+        self.before = fd_table()
+        self.declared: set[int] = set()
+
+    def declare_leak(self, fd: int) -> None:
+        self.declared.add(fd)
+
+    def new_fds(self) -> dict[int, str]:
+        return {fd: t for fd, t in fd_table().items() if fd not in self.before or self.before[fd] != t}
+
+    def check(self, near: Optional[Path] = None) -> None:
+        new = self.new_fds()
+        undeclared = {fd: t for fd, t in new.items() if fd not in self.declared}
+        assert not undeclared, f"fd(s) leaked: {undeclared}"
+        missing = self.declared - set(new)
+        assert not missing, f"declared leaked fd(s) {missing} are not open"
+        if near is not None:
+            prefix = str(near)
+            stray = {fd: t for fd, t in fd_table().items() if t.startswith(prefix) and fd not in self.declared}
+            assert not stray, f"fd(s) still open on {prefix}: {stray}"
+
+    def close_declared(self) -> None:
+        for fd in sorted(self.declared):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.declared.clear()
+
+
+# -- files, threads, modes --------------------------------------------------------
+
+
+def dir_entries(directory: Path, allow: Iterable[str] = ()) -> list[str]:
+    """Names in ``directory`` (symlinks included, dangling or not) other than ``allow``."""
+    allow = set(allow)
+    return sorted(n for n in os.listdir(directory) if n not in allow)
+
+
+def assert_dir_clean(directory: Path, allow: Iterable[str] = ()) -> None:
+    left = dir_entries(directory, allow)
+    assert not left, f"file(s) left in {directory}: {left}"
+
+
+def assert_mode_0600(fd: int) -> None:
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    assert mode == 0o600, f"slot file mode is {mode:o}, want 600"
+
+
+def kvoffload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvoffload-") and t.is_alive()]
+
+
+def wait_threads_gone(timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while kvoffload_threads():
+        assert time.monotonic() < deadline, f"IO threads still alive: {kvoffload_threads()}"
+        time.sleep(0.005)
+
+
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 112)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def fs_type(path: os.PathLike | str) -> int:
+    """statfs(2) f_type of the file system holding ``path`` (os.statvfs has no f_type)."""
+    buf = _Statfs()
+    if _libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return buf.f_type & 0xFFFFFFFF
+
+
+# -- the job ledger -----------------------------------------------------------------
+
+
+@dataclass
+class Op:
+    """One launched job (Jepsen invoke); ``status`` is ok / fail / info once judged."""
+
+    idx: int
+    is_store: bool
+    src: list[int]
+    dst: list[int]
+    event: Any
+    status: Optional[str] = None
+
+    @property
+    def slots(self) -> list[int]:
+        return self.dst if self.is_store else self.src
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.src if self.is_store else self.dst
+
+
+_SEQ = itertools.count(1)  # global completion order, stamped by LedgerEvent
+
+
+def _ledger_event_class():
+    from kvoffload.jobs import JobEvent
+
+    class LedgerEvent(JobEvent):
+        """JobEvent that counts its completions and stamps a global completion order."""
+
+        __slots__ = ("completions", "order")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.completions = 0
+            self.order = 0
+
+        def complete(self, ok, fatal=None):
+            ended = super().complete(ok, fatal)
+            if ended:
+                self.completions += 1
+                self.order = next(_SEQ)
+            return ended
+
+    return LedgerEvent
+
+
+class Ledger:
+    """Every launched job ends exactly once, ok or fail, in launch order per direction;
+    ``info`` (indeterminate) only for jobs a hung worker still held at shutdown.
+
+    ``Ledger.install(monkeypatch)`` swaps the backend's JobEvent for one that counts
+    its completions and stamps a global completion order; without it the ledger
+    still checks that every job ended, ok or failed.
+    """
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+
+    @staticmethod
+    def install(monkeypatch) -> None:
+        from kvoffload import disk_backend
+
+        monkeypatch.setattr(disk_backend, "JobEvent", _ledger_event_class())
+
+    def launch(self, backend, src, dst, is_store: bool, wait_event=None) -> Op:
+        events: list = []
+        idx = len(self.ops)
+        backend.launch_copy(list(src), list(dst), is_store, idx, events, wait_event)
+        assert len(events) == 1 and events[0][0] == idx, f"launch_copy appended {events}"
+        op = Op(idx, is_store, list(src), list(dst), events[0][1])
+        self.ops.append(op)
+        return op
+
+    @staticmethod
+    def done(op: Op) -> bool:
+        return op.event._done.is_set()
+
+    def wait(self, ops: Iterable[Op], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for op in ops:
+            left = deadline - time.monotonic()
+            assert op.event._done.wait(max(0.0, left)), f"job {op.idx} lost: not complete after {timeout} s"
+
+    def check(self, indeterminate: Iterable[int] = (), in_order: bool = False) -> dict[str, int]:
+        """Judge every op; returns the ok/fail/info counts (which sum to the ops launched)."""
+        info = set(indeterminate)
+        counts = {"ok": 0, "fail": 0, "info": 0}
+        for op in self.ops:
+            assert self.done(op), f"job {op.idx} never completed"
+            if hasattr(op.event, "completions"):
+                assert op.event.completions == 1, f"job {op.idx} completed {op.event.completions} times"
+            assert op.event.ok in (True, False)
+            if op.idx in info:
+                assert not op.event.ok, f"job {op.idx} was in a hung worker yet reported ok"
+                op.status = "info"
+            else:
+                op.status = "ok" if op.event.ok else "fail"
+            counts[op.status] += 1
+        assert sum(counts.values()) == len(self.ops)
+        if in_order:
+            for direction in (True, False):
+                orders = [getattr(op.event, "order", 0) for op in self.ops if op.is_store is direction]
+                assert orders == sorted(orders), f"{'store' if direction else 'load'} jobs completed out of order"
+        return counts

@@ -1,0 +1,173 @@
+"""The exhaustive single-fault sweep (SQLite ``do_faultsim_test``).
+
+For one call site and one fault, run the standard workload with the N-th call
+failing, for N = 1, 2, ... until the workload no longer reaches N; once
+transient (that call only) and once persistent (that call and every later one).
+Each run is prep (a fresh backend), body (the workload) and test (the
+acceptable outcomes: the workload completes with every completion matching the
+model, or init fails with a clear, injected-caused SlotFileError), then a
+fault-free integrity check, and always: no hang, no lost completion, no wrong
+data, no file and no fd left.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from faults._invariants import FdWatch, Ledger, assert_dir_clean, assert_mode_0600, wait_threads_gone
+from faults._model import KvChecker, block_data, make_caches
+from faults._seam import Fault, FaultyOsCalls, is_injected
+
+# The standard workload's geometry: 576*2 + 3072 = 4224 B a block (not a multiple
+# of 512), so each slot is padded to 8192 under O_DIRECT; two slots per IO unit.
+TENSOR_BYTES = [576 * 2, 3072]
+NUM_BLOCKS = 6
+NUM_SLOTS = 8
+IO_UNIT_SLOTS = 2
+SLOT_BYTES_DIRECT = 8192
+
+# Total fault points run in this process (the plugin prints it at the end).
+POINTS_RUN = {"points": 0, "runs": 0}
+
+
+@dataclass
+class Outcome:
+    n: int
+    fired: int
+    reached: bool
+    init_failed: bool
+    error: Optional[BaseException] = None
+    left_file: bool = False
+    stats: dict = field(default_factory=dict)
+
+
+def standard_workload(ck: KvChecker) -> None:
+    """Stores, loads, overwrites, a never-stored slot, overlapping jobs."""
+    ck.store([0, 1, 2], [0, 1, 2])
+    ck.store([3], [5])
+    ck.store([4, 5], [7, 6])  # non-contiguous file order: one pwritev per slot
+    ck.load([0, 1, 2, 5], [0, 1, 2, 3])  # drains first: its blocks race the stores
+    ck.store([0, 1], [1, 0])  # overwrite, reversed
+    ck.store([2], [2])
+    ck.load([0, 1, 2, 3, 6, 7], [5, 4, 3, 2, 1, 0])  # slot 3 never stored: an error without IO
+    ck.store([3, 4, 5], [3, 4, 5])
+    ck.load([3, 4, 5, 0], [0, 1, 2, 3])
+    ck.store([0, 1, 2, 3], [6, 7, 0, 1])  # overwrite again after reads
+    ck.load([6, 7, 0, 1], [4, 5, 2, 3])
+    ck.drain()
+
+
+def start_backend(osc, directory: Path, named: bool, device="cpu", use_page_cache=False, caches=None):
+    from kvoffload import DiskBackend
+
+    caches = caches if caches is not None else make_caches(device, NUM_BLOCKS, TENSOR_BYTES)
+    b = DiskBackend()
+    slot = sum(TENSOR_BYTES) if use_page_cache else SLOT_BYTES_DIRECT
+    b.init(
+        caches, device, None, None, str(directory / "kv.bin"), NUM_SLOTS, sum(TENSOR_BYTES),
+        use_page_cache=use_page_cache, named_file=named, io_depth=1, io_unit_bytes=IO_UNIT_SLOTS * slot,
+        join_timeout=10.0, os_calls=osc,
+    )
+    return b, caches
+
+
+def _leftover_ok(directory: Path, osc: FaultyOsCalls, allowed: bool) -> bool:
+    """The one file an init failure may leave: the named fallback's empty file when the
+    cleanup unlink failed too (a persistent or second fault; no KV byte was written,
+    and the next init removes it). A single transient fault must leave nothing."""
+    names = os.listdir(directory)
+    if not names:
+        return False
+    assert names == ["kv.bin"] and allowed and osc.fired["unlink"] >= 1, f"init failure left {names}"
+    st = os.lstat(directory / "kv.bin")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 0, "leftover holds data"
+    return True
+
+
+def run_point(directory: Path, named: bool, call: str, n: int, fault: Fault, persistent: bool,
+              background: tuple = (), device="cpu", use_page_cache: bool = False) -> Outcome:
+    """One fault point: fail ``call`` #n (and later ones if ``persistent``), run, check."""
+    osc = FaultyOsCalls()
+    for bcall, bfault in background:
+        osc.fail_from(bcall, 1, bfault)
+    (osc.fail_from if persistent else osc.fail_nth)(call, n, fault)
+    out = run_workload(directory, named, osc, device, use_page_cache, leftover_ok=persistent)
+    out.n, out.fired, out.reached = n, osc.fired[call], osc.calls[call] >= n
+    return out
+
+
+def run_workload(directory: Path, named: bool, osc: FaultyOsCalls, device="cpu", use_page_cache: bool = False,
+                 leftover_ok: bool = False) -> Outcome:
+    """Prep (fresh backend), body (the standard workload under ``osc``'s schedule) and
+    test (acceptable outcomes, fault-free integrity check, nothing left behind).
+    Raises AssertionError on any violation."""
+    fds = FdWatch()
+    try:
+        b, caches = start_backend(osc, directory, named, device, use_page_cache)
+    except OSError as e:
+        from kvoffload.slot_file import SlotFileError
+
+        # Failures at init: a clear error naming the path, caused by the injected
+        # fault, with nothing left behind.
+        wait_threads_gone()
+        fds.check(near=directory)
+        left = _leftover_ok(directory, osc, leftover_ok)
+        assert is_injected(e, chain=True), f"init failed without an injected cause: {e!r}"
+        assert isinstance(e, SlotFileError), f"init raised a bare {type(e).__name__}: {e}"
+        assert str(directory) in str(e), f"init error does not name the path: {e}"
+        _fault_free_round_trip(directory, named, device, use_page_cache)
+        assert_dir_clean(directory)
+        return Outcome(0, sum(osc.fired.values()), True, True, e, left)
+    ledger = Ledger()
+    try:
+        ck = KvChecker(b, caches, osc, NUM_SLOTS, ledger)
+        ck.attach()
+        assert_mode_0600(b.files[0].fd)
+        assert_dir_clean(directory)  # no KV byte ever sits under a name
+        standard_workload(ck)
+        ck.verify_all()  # faults off: acked => exact, failed => never a hit
+    finally:
+        b.shutdown()  # also when a check failed, so no thread outlives the point
+    ledger.check(in_order=True)
+    wait_threads_gone()
+    fds.check(near=directory)
+    assert_dir_clean(directory)
+    return Outcome(0, sum(osc.fired.values()), True, False, stats=dict(ck.stats))
+
+
+def _fault_free_round_trip(directory: Path, named: bool, device, use_page_cache: bool) -> None:
+    fds = FdWatch()
+    b, caches = start_backend(FaultyOsCalls(), directory, named, device, use_page_cache)
+    try:
+        ck = KvChecker(b, caches, None, NUM_SLOTS)
+        ck.attach()
+        ck.store([0, 1], [3, 4])
+        ck.load([3, 4], [2, 3])
+        ck.drain()
+        assert ck.stats == {"store_ok": 1, "store_fail": 0, "load_ok": 1, "load_fail": 0}
+    finally:
+        b.shutdown()
+    fds.check(near=directory)
+
+
+def sweep(directory: Path, named: bool, call: str, fault: Fault, persistent: bool,
+          background: tuple = (), device="cpu", use_page_cache: bool = False, limit: int = 200) -> list[Outcome]:
+    """Fail call ``call`` at N = 1, 2, ... until the workload stops reaching N."""
+    outcomes = []
+    for n in range(1, limit + 1):
+        out = run_point(directory, named, call, n, fault, persistent, background, device, use_page_cache)
+        POINTS_RUN["runs"] += 1
+        if not out.reached:
+            assert out.fired == 0
+            break
+        assert out.fired >= 1, f"{call} #{n} was reached but no fault fired"
+        POINTS_RUN["points"] += 1
+        outcomes.append(out)
+    else:
+        raise AssertionError(f"workload still reached {call} #{limit}")
+    return outcomes

@@ -1,0 +1,246 @@
+"""Attacks on the file path (symlinks, TOCTOU, parent, open directory), the file mode,
+and kill -9: nothing outside the slot file is written, no KV byte is left under a name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from faults import (
+    FaultyOsCalls,
+    KvChecker,
+    SymlinkRace,
+    Victim,
+    assert_dir_clean,
+    assert_mode_0600,
+    make_caches,
+    plant_symlink,
+    symlinked_parent,
+    wait_threads_gone,
+    world_writable_dir,
+)
+from kvoffload import DiskBackend
+from kvoffload.slot_file import SlotFileError
+
+pytestmark = pytest.mark.faults
+NAMED = pytest.mark.parametrize("named", [False, True], ids=["anonymous", "named"])
+
+
+def start(d, named, osc=None, **kw):
+    caches = make_caches("cpu", 4, [4096], seed=5)
+    b = DiskBackend()
+    b.init(caches, "cpu", None, None, str(d / "kv.bin"), 8, 4096, named_file=named, io_depth=1,
+           os_calls=osc, **kw)
+    return b, caches
+
+
+def use(b, caches):
+    """Store and load every slot, so any misdirected write would hit the victim."""
+    ck = KvChecker(b, caches, None, 8)
+    ck.attach()
+    ck.store([0, 1, 2, 3], [0, 1, 2, 3])
+    ck.store([0, 1, 2, 3], [4, 5, 6, 7])
+    ck.load(list(range(4)), list(range(4)))
+    ck.drain()
+    assert ck.stats["store_fail"] == ck.stats["load_fail"] == 0
+
+
+@NAMED
+@pytest.mark.parametrize("live", [True, False], ids=["live", "dangling"])
+def test_symlink_planted_at_the_path(fd_guard, tmp_path, cache_dir, named, live):
+    victim = Victim.create(tmp_path / "victim") if live else None
+    target = tmp_path / ("victim" if live else "nowhere")
+    plant_symlink(cache_dir / "kv.bin", target)
+    b, caches = start(cache_dir, named)
+    try:
+        assert os.fstat(b.files[0].fd).st_ino != os.stat(tmp_path).st_ino
+        if live:
+            assert os.fstat(b.files[0].fd).st_ino != victim.ino
+        use(b, caches)
+    finally:
+        b.shutdown()
+    if live:
+        victim.assert_untouched()
+    else:
+        assert not os.path.lexists(target), "the dangling link's target was created"
+    if named:
+        assert_dir_clean(cache_dir)  # the link was unlinked (unlink never follows), not followed
+    else:
+        assert os.readlink(cache_dir / "kv.bin") == str(target)  # anonymous: the name is never touched
+
+
+@NAMED
+def test_hard_link_planted_at_the_path(fd_guard, tmp_path, cache_dir, named):
+    victim = Victim.create(tmp_path / "victim")
+    os.link(tmp_path / "victim", cache_dir / "kv.bin")
+    victim = Victim.snapshot(tmp_path / "victim")
+    b, caches = start(cache_dir, named)
+    try:
+        use(b, caches)
+    finally:
+        b.shutdown()
+    assert Victim.snapshot(tmp_path / "victim").digest == victim.digest
+
+
+@NAMED
+def test_symlinked_parent_is_refused(fd_guard, tmp_path, named):
+    real, link = symlinked_parent(tmp_path)
+    with pytest.raises(SlotFileError, match=r"is a symlink; give its real path"):
+        start(link, named)
+    assert_dir_clean(real)
+    wait_threads_gone()
+
+
+@NAMED
+@pytest.mark.parametrize("sticky", [False, True], ids=["no-sticky", "sticky"])
+def test_world_writable_directory(fd_guard, tmp_path, named, sticky):
+    d = world_writable_dir(tmp_path / "open", sticky=sticky)
+    if not sticky:
+        with pytest.raises(SlotFileError, match="world-writable without the sticky bit"):
+            start(d, named)
+    else:
+        b, caches = start(d, named)
+        use(b, caches)
+        b.shutdown()
+    assert_dir_clean(d)
+
+
+@NAMED
+def test_symlink_raced_in_between_unlink_and_create(fd_guard, tmp_path, cache_dir, named):
+    """TOCTOU made deterministic: the hook plants the link right after our unlink."""
+    victim = Victim.create(tmp_path / "victim")
+    osc = FaultyOsCalls()
+    race = SymlinkRace(osc, cache_dir / "kv.bin", tmp_path / "victim", times=1)
+    b, caches = start(cache_dir, named, osc)
+    try:
+        use(b, caches)
+    finally:
+        b.shutdown()
+    victim.assert_untouched()
+    if named:
+        assert race.planted == 1 and osc.calls["unlink"] == 3  # stale, retry, drop the name
+        assert_dir_clean(cache_dir)
+    else:
+        assert race.planted == 0 and osc.calls["unlink"] == 0  # no name, no window
+
+
+@NAMED
+def test_symlink_raced_every_time_gives_up_cleanly(fd_guard, tmp_path, cache_dir, named):
+    victim = Victim.create(tmp_path / "victim")
+    osc = FaultyOsCalls()
+    race = SymlinkRace(osc, cache_dir / "kv.bin", tmp_path / "victim", times=None)
+    if named:
+        with pytest.raises(SlotFileError, match="kept reappearing between unlink and create"):
+            start(cache_dir, named, osc)
+        assert race.planted == 3
+        assert_dir_clean(cache_dir, allow=["kv.bin"])  # only the attacker's link
+        assert os.path.islink(cache_dir / "kv.bin")
+    else:
+        b, caches = start(cache_dir, named, osc)
+        use(b, caches)
+        b.shutdown()
+        assert race.planted == 0
+    victim.assert_untouched()
+    wait_threads_gone()
+
+
+@NAMED
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o277, 0o000])
+def test_file_mode_is_0600(fd_guard, cache_dir, named, umask):
+    old = os.umask(umask)
+    try:
+        b, caches = start(cache_dir, named)
+    finally:
+        os.umask(old)
+    try:
+        assert_mode_0600(b.files[0].fd)
+        assert os.fstat(b.files[0].fd).st_nlink == 0
+        use(b, caches)
+    finally:
+        b.shutdown()
+
+
+# -- kill -9 -------------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from faults import Fault, FaultyOsCalls, make_caches
+    from kvoffload import DiskBackend
+
+    d, named, stage = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    osc = FaultyOsCalls()
+    if stage == "store":
+        osc.fail_from("pwritev", 1, Fault.delay(0.02))  # keep stores in flight
+    else:  # stop in the named file's window: created, not yet unlinked
+        def wait_here(info):
+            if info.n == 2:
+                print("window", flush=True)
+                time.sleep(60)
+        osc.before("unlink", wait_here)
+    caches = make_caches("cpu", 8, [4096], seed=9)
+    b = DiskBackend()
+    b.init(caches, "cpu", None, None, d + "/kv.bin", 64, 4096, named_file=named, io_depth=2, os_calls=osc)
+    ev = []
+    for i in range(2000):
+        b.launch_copy([i % 8], [i % 64], True, i, ev)
+    print("storing", b.files[0].fd, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _spawn(d, named, stage):
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(d), "1" if named else "0", stage],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@NAMED
+def test_kill_9_mid_store_leaves_nothing(cache_dir, named):
+    p = _spawn(cache_dir, named, "store")
+    try:
+        line = p.stdout.readline().split()
+        assert line and line[0] == "storing", p.stderr.read()
+        fd = int(line[1])
+        time.sleep(0.2)  # stores are being written
+        assert os.readlink(f"/proc/{p.pid}/fd/{fd}").endswith("(deleted)")
+        assert os.listdir(cache_dir) == [], "KV data sits under a name while the process runs"
+        p.send_signal(signal.SIGKILL)
+        assert p.wait(10) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert os.listdir(cache_dir) == [], "kill -9 left a file behind"
+
+
+def test_kill_9_in_the_named_window_leaves_an_empty_file_that_next_init_removes(cache_dir):
+    p = _spawn(cache_dir, True, "window")
+    try:
+        assert p.stdout.readline().strip() == "window", p.stderr.read()
+        st = os.lstat(cache_dir / "kv.bin")
+        # The name exists for a moment, but before any KV byte: empty, private.
+        assert stat.S_ISREG(st.st_mode) and st.st_size == 0 and stat.S_IMODE(st.st_mode) == 0o600
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert os.path.getsize(cache_dir / "kv.bin") == 0
+    b, caches = start(cache_dir, True)  # the stale file is removed at the next start
+    try:
+        assert_dir_clean(cache_dir)
+        use(b, caches)
+    finally:
+        b.shutdown()
+    assert_dir_clean(cache_dir)
