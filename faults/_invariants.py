@@ -20,8 +20,16 @@ EXT4_SUPER_MAGIC = 0xEF53
 # -- file descriptors ---------------------------------------------------------------
 
 
+# The CUDA driver opens its device nodes, eventfds and pipes lazily, on first use in
+# the process and in each new thread; the backend itself opens only files and
+# directories, so those are what the fd checks compare.
+_DRIVER_FDS = ("/dev/", "anon_inode:", "pipe:", "socket:")
+
+
 def fd_table() -> dict[int, str]:
-    """fd -> readlink target, from /proc/self/fd (the fd listing itself is left out)."""
+    """fd -> readlink target for files and directories, from /proc/self/fd.
+
+    The fd listing itself and the CUDA driver's own handles are left out."""
     out = {}
     dfd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -30,9 +38,11 @@ def fd_table() -> dict[int, str]:
             if fd == dfd:
                 continue
             try:
-                out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+                target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:  # closed while we looked
-                pass
+                continue
+            if not target.startswith(_DRIVER_FDS):
+                out[fd] = target
     finally:
         os.close(dfd)
     return out

@@ -141,6 +141,15 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
             for t in caches.values():  # fresh content for the blocks stored from
                 t[:half].random_(-128, 128, generator=g)
                 t[half:].fill_(0x5A)  # a load that skips a block leaves this behind
+            written = None
+            if device.type == "cuda":
+                # As vLLM does: the store waits on an event recorded after the writes
+                # (the backend's copies run on their own streams). Loads take no
+                # wait_event: the engine does not touch their target blocks, so the
+                # fill must be over before the load starts.
+                written = torch.cuda.Event()
+                written.record()
+                written.synchronize()
             src = rng.choice(half, size=k, replace=False).tolist()
             stored = np.flatnonzero(valid)
             load_slots = rng.choice(stored, size=min(k, len(stored)), replace=False).tolist() if len(stored) else []
@@ -149,7 +158,7 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
             dst_blocks = (half + rng.choice(nb - half, size=len(load_slots), replace=False)).tolist()
             events: list = []
             # A store and a load in flight together, as in a busy engine step.
-            b.launch_copy(src, free, True, idx, events)
+            b.launch_copy(src, free, True, idx, events, wait_event=written)
             if load_slots:
                 b.launch_copy(load_slots, dst_blocks, False, idx + 1, events)
             idx += 2
