@@ -40,6 +40,12 @@ DEFAULT_JOIN_TIMEOUT_S = 10.0
 _VALID = -1
 
 
+# Runs whose IO threads outlived shutdown. Held for the life of the process, not of
+# the backend object: their staging memory stays registered with the device and a
+# late IO may still write it, so it must never be freed and handed out again.
+_LEAKED_RUNS: list["_Run"] = []
+
+
 class LeakedFdWarning(RuntimeWarning):
     """An IO thread outlived shutdown, so its file descriptor was kept open on purpose."""
 
@@ -116,7 +122,6 @@ class DiskBackend:
 
     def __init__(self) -> None:
         self._run: Optional[_Run] = None
-        self._leaked: list[_Run] = []  # runs whose threads outlived shutdown
         # The monotonic time source, an attribute so timeout tests can replace it.
         self.clock = time.monotonic
 
@@ -316,7 +321,7 @@ class DiskBackend:
             )
             logger.warning(msg)
             warnings.warn(msg, LeakedFdWarning, stacklevel=2)
-            self._leaked.append(run)
+            _LEAKED_RUNS.append(run)
             return
         for buf in run.pinned:
             self._dev.unpin(buf)
