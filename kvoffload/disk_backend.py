@@ -394,9 +394,7 @@ class DiskBackend:
                 self._fail_fatal(run, e, lane, unit)
                 return None
             finally:
-                with run.copy_cond:
-                    run.copies -= 1
-                    run.copy_cond.notify_all()
+                _end_copy(run)
         self._finish(run, lane, unit, failed)
         return None
 
@@ -452,9 +450,7 @@ class DiskBackend:
             # read into again (vLLM's trailing-drain fix, one unit later).
             ev = self._dev.copy_to_device(stream, self._layout, staging, good, [unit.block_ids[j] for j in good])
         except BaseException:
-            with run.copy_cond:
-                run.copies -= 1
-                run.copy_cond.notify_all()
+            _end_copy(run)
             raise
         return failed, ev
 
@@ -527,6 +523,13 @@ class DiskBackend:
             out = getattr(run, name)
             setattr(run, name, set())
         return out
+
+
+def _end_copy(run: _Run) -> None:
+    """A load's device copy is over (done or failed): shutdown may be waiting for it."""
+    with run.copy_cond:
+        run.copies -= 1
+        run.copy_cond.notify_all()
 
 
 def _runs(local: Sequence[int], skip: frozenset[int] | set[int] = frozenset()):
