@@ -141,7 +141,7 @@ class Bench:
         caches, ref = make_caches(cfg.device, n, L.tensor_bytes, int(rng.integers(1 << 31)))
         try:
             staging_rows = max(1, min(n, GiB // slot))
-            host, host_backing = alloc_host(staging_rows * slot, 4096)
+            host = alloc_host(staging_rows * slot, 4096)
             host.zero_()
             self.dev.pin(host)
             try:
@@ -157,7 +157,7 @@ class Bench:
                     self.seam(L, caches, ref, host.view(staging_rows, slot))
             finally:
                 self.dev.unpin(host)
-                del host, host_backing
+                del host
             perm = rng.permutation(n) if cfg.slots == "random" else np.arange(n)
             load_order = rng.permutation(n) if cfg.slots == "random" else np.arange(n)
             store_jobs, load_jobs = make_jobs(n, perm, load_order, max(1, cfg.job_bytes // L.block_bytes))

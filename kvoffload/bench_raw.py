@@ -143,7 +143,7 @@ def run_io(
     start = threading.Barrier(len(jobs) + 1)
 
     def worker(k: int, fd: int, offsets: np.ndarray) -> None:
-        buf, _keep = alloc_host(io_bytes, DIRECT_ALIGNMENT)
+        buf = alloc_host(io_bytes, DIRECT_ALIGNMENT)
         if is_write:
             buf.copy_(torch.randint(0, 256, (io_bytes,), dtype=torch.uint8))
         mv = [memoryview(buf.numpy()).cast("B")]

@@ -49,7 +49,7 @@ class CpuBackend:
         self._streams = {True: store_stream, False: load_stream}
         self._layout = layout
         self._num_slots = num_slots
-        flat, self._backing = alloc_host(num_slots * total_block_bytes, 4096)
+        flat = alloc_host(num_slots * total_block_bytes, 4096)
         self._dev.pin(flat)
         self._flat = flat
         self._pool = flat.view(num_slots, total_block_bytes)
@@ -83,4 +83,4 @@ class CpuBackend:
         if self._pool is None:
             return
         self._dev.unpin(self._flat)
-        self._pool = self._flat = self._backing = None
+        self._pool = self._flat = None

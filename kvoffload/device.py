@@ -73,8 +73,9 @@ class BlockLayout:
         return bases, bpb, np.array(self.offsets, dtype=np.uint64)
 
 
-def alloc_host(nbytes: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An ``alignment``-aligned uint8 host tensor of ``nbytes`` and its backing allocation.
+def alloc_host(nbytes: int, alignment: int) -> torch.Tensor:
+    """An ``alignment``-aligned uint8 host tensor of ``nbytes`` (a view that keeps its
+    over-sized allocation alive).
 
     The CPU allocator only guarantees 64-byte alignment, and O_DIRECT rejects a
     buffer that is not aligned to the file system's DIO memory alignment, so we
@@ -82,7 +83,7 @@ def alloc_host(nbytes: int, alignment: int) -> tuple[torch.Tensor, torch.Tensor]
     """
     backing = torch.empty(nbytes + alignment, dtype=torch.uint8)
     skew = (-backing.data_ptr()) % alignment
-    return backing[skew : skew + nbytes], backing
+    return backing[skew : skew + nbytes]
 
 
 class Device(Protocol):

@@ -99,7 +99,6 @@ class _Run:
         self.files: list[SlotFile] = []
         self.lanes: list[_Lane] = []
         self.pinned: list[torch.Tensor] = []
-        self.backing: list[torch.Tensor] = []
         self.sums: list[Optional[int]] = []  # per global slot: checksum, _VALID, or None
         self.errors_lock = threading.Lock()
         self.load_errors: set[int] = set()
@@ -203,10 +202,9 @@ class DiskBackend:
                     for _ in range(depth):
                         bufs = []
                         for _ in range(1 if is_store else 2):
-                            buf, backing = alloc_host(rows * f.slot_bytes, max(f.alignment, 4096))
+                            buf = alloc_host(rows * f.slot_bytes, max(f.alignment, 4096))
                             dev.pin(buf)
                             run.pinned.append(buf)
-                            run.backing.append(backing)
                             bufs.append(buf.view(rows, f.slot_bytes))
                         lane.staging.append(bufs)
                     run.lanes.append(lane)

@@ -9,9 +9,19 @@ and touch are O(1) and pinned blocks are never even looked at by eviction.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 
 BlockHash = Hashable
+
+
+def prefix_length(keys: Sequence[Hashable], present: Container[Hashable]) -> int:
+    """How many leading ``keys`` are in ``present`` (a prefix cache hit)."""
+    n = 0
+    for k in keys:
+        if k not in present:
+            break
+        n += 1
+    return n
 
 
 class SlotPool:
@@ -50,13 +60,7 @@ class SlotPool:
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Length of the longest prefix of ``hashes`` whose stores completed OK."""
-        cached = self._cached
-        n = 0
-        for h in hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
+        return prefix_length(hashes, self._cached)
 
     def touch(self, hashes: Sequence[BlockHash]) -> None:
         """Make cached ``hashes`` most recently used, the head most of all.

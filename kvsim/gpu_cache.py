@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvoffload.slot_pool import prefix_length
+
 
 class GpuPrefixCache:
     def __init__(self, num_blocks: int) -> None:
@@ -24,13 +26,7 @@ class GpuPrefixCache:
 
     def lookup(self, keys: Sequence[int]) -> int:
         """Number of leading ``keys`` cached (in use or evictable)."""
-        refs = self._refs
-        n = 0
-        for k in keys:
-            if k not in refs:
-                break
-            n += 1
-        return n
+        return prefix_length(keys, self._refs)
 
     def can_allocate(self, hit_keys: Sequence[int], num_new: int) -> bool:
         refs = self._refs

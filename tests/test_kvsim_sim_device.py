@@ -17,17 +17,17 @@ def _setup(dev: SimDevice, num_blocks: int = 4, rows: int = 4):
     caches = {"k": torch.arange(num_blocks * 8, dtype=torch.int8).view(num_blocks, 8),
               "v": -torch.arange(num_blocks * 4, dtype=torch.int8).view(num_blocks, 4)}
     layout = BlockLayout.from_caches(caches)
-    host, _backing = alloc_host(rows * layout.block_bytes, 64)
+    host = alloc_host(rows * layout.block_bytes, 64)
     host = host.view(rows, layout.block_bytes)
     host.zero_()
     dev.bind_thread()
     dev.pin(host)
-    return caches, layout, host, _backing
+    return caches, layout, host
 
 
 def test_bytes_move_only_at_completion():
     dev = SimDevice()
-    caches, layout, host, _b = _setup(dev)
+    caches, layout, host = _setup(dev)
     ev = dev.copy_to_host(None, layout, [2], host, [1])
     assert not ev.query() and dev.num_pending() == 1
     assert host[1].count_nonzero() == 0  # nothing moved yet
@@ -42,7 +42,7 @@ def test_reusing_a_row_whose_load_is_in_flight_corrupts_the_block():
     # Goal: the bug this device exists to expose. The device block receives the row's
     # bytes as they are at completion, not at launch, and busy() flags the row.
     dev = SimDevice()
-    caches, layout, host, _b = _setup(dev)
+    caches, layout, host = _setup(dev)
     host[0].fill_(7)
     ev = dev.copy_to_device(None, layout, host, [0], [3])
     row_bytes = host.stride(0)
@@ -56,7 +56,7 @@ def test_reusing_a_row_whose_load_is_in_flight_corrupts_the_block():
 
 def test_stream_order_and_wait_events():
     dev = SimDevice()
-    caches, layout, host, _b = _setup(dev)
+    caches, layout, host = _setup(dev)
     s1, s2 = object(), object()
     a = dev.copy_to_host(s1, layout, [0], host, [0])
     b = dev.copy_to_host(s1, layout, [1], host, [1], wait_event=None)
@@ -70,9 +70,9 @@ def test_stream_order_and_wait_events():
 
 def test_a_copy_whose_wait_event_never_fires_cannot_complete():
     dev = SimDevice()
-    _c, layout, host, _b = _setup(dev)
+    _c, layout, host = _setup(dev)
     blocker = SimDevice()  # an event from a device nobody drives
-    _c2, layout2, host2, _b2 = _setup(blocker)
+    _c2, layout2, host2 = _setup(blocker)
     never = blocker.copy_to_host(None, layout2, [0], host2, [0])
     dev.copy_to_host(None, layout, [0], host, [0], wait_event=never)
     with pytest.raises(RuntimeError, match="none may complete"):
@@ -82,7 +82,7 @@ def test_a_copy_whose_wait_event_never_fires_cannot_complete():
 def test_virtual_delay_and_clock():
     clock = Clock()
     dev = SimDevice(clock, delay_ns=100)
-    _c, layout, host, _b = _setup(dev)
+    _c, layout, host = _setup(dev)
     e1 = dev.copy_to_host(None, layout, [0], host, [0])
     clock.advance_to(50)
     e2 = dev.copy_to_host(None, layout, [1], host, [1])
@@ -96,7 +96,7 @@ def test_virtual_delay_and_clock():
 
 def test_strict_checks():
     dev = SimDevice()
-    caches, layout, host, _b = _setup(dev)
+    caches, layout, host = _setup(dev)
     loose = torch.zeros_like(host)
     with pytest.raises(RuntimeError, match="unpinned"):
         dev.copy_to_host(None, layout, [0], loose, [0])
@@ -120,7 +120,7 @@ def test_strict_checks():
 
 def test_synchronize_waits_for_the_test_thread():
     dev = SimDevice(sync_timeout=5.0)
-    _c, layout, host, _b = _setup(dev)
+    _c, layout, host = _setup(dev)
     ev = dev.copy_to_host(None, layout, [0], host, [0])
     t = threading.Timer(0.05, dev.complete_all)
     t.start()
