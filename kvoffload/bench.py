@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvoffload.bench_raw import (
-    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, resident_of, run_io,
+    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_io,
     sweep, warm,
 )
 from kvoffload.cpu_backend import CpuBackend
@@ -57,6 +57,8 @@ LAYOUTS = {
     "mla": Layout("mla", (576 * 2 * 16,) * 61, "DeepSeek-MLA-like: 61 tensors x 18,432 B, not 4096-aligned"),
     "many": Layout("many", (8 * 1024,) * 128, "many tensors: 128 x 8 KiB = 1 MiB"),
 }
+# Larger than the last-level cache (300 MiB on the H200 host), so the copy reaches DRAM.
+MEMCPY_BYTES = GiB
 # The device-seam and striping cases run on this layout (2 MiB blocks).
 SEAM_LAYOUT = "llama"
 
@@ -153,6 +155,8 @@ class Bench:
                     t = copy_rate(cfg.device, pinned, devbuf, L.block_bytes, to_dev, cfg.raw_seconds)
                     self.add(Case(f"{L.name} pinned {nm}", "copy", L.name, t, info={"what": self.copy_what()}))
                 del devbuf, pinned
+                t = memcpy_rate(MEMCPY_BYTES if not cfg.quick else 16 * MiB, os.cpu_count() or 1, cfg.raw_seconds)
+                self.add(Case(f"{L.name} host memcpy", "copy", L.name, t))
                 if L.name == SEAM_LAYOUT:
                     self.seam(L, caches, ref, host.view(staging_rows, slot))
             finally:
@@ -249,15 +253,16 @@ class Bench:
         h2d = Timed(0, 0.0, 0.0)
 
         def copy_units(k: int, ids: list[int], is_store: bool) -> None:
-            stream = self.dev.bind_thread(None)
+            stream = self.dev.bind_thread(None, layout, unit)
+            event = self.dev.new_event()  # one per thread, re-recorded: its stream is in order
             ev = None
             for u in range(k * unit, len(ids), threads * unit):
                 blk = ids[u : u + unit]
                 r = list(range(u, u + len(blk)))
                 if is_store:
-                    ev = self.dev.copy_to_host(stream, layout, blk, staging, r)
+                    ev = self.dev.copy_to_host(stream, layout, blk, staging, r, event=event)
                 else:
-                    ev = self.dev.copy_to_device(stream, layout, staging, r, blk)
+                    ev = self.dev.copy_to_device(stream, layout, staging, r, blk, event=event)
             if ev is not None:
                 ev.synchronize()
 

@@ -320,3 +320,30 @@ def copy_rate(device: torch.device, host: torch.Tensor, dev: torch.Tensor, block
             if time.perf_counter() - sw.t0 >= seconds:
                 break
     return Timed(moved, sw.seconds, sw.cpu_seconds, {"block_bytes": block_bytes})
+
+
+def memcpy_rate(nbytes: int, threads: int, seconds: float) -> Timed:
+    """Host-memory copy between two CPU tensors with ``threads`` threads.
+
+    A page-cache load moves each byte through host memory three times (the kernel
+    reads the page cache and writes staging, the DMA reads staging) where this copy
+    moves it twice, so about 2/3 of this rate bounds it whatever the PCIe link does.
+    ``nbytes`` should exceed the last-level cache.
+    """
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch is not the copy rate
+        moved = 0
+        sw = Stopwatch(torch.device("cpu"))
+        with sw:
+            while True:
+                dst.copy_(src)
+                moved += nbytes
+                if time.perf_counter() - sw.t0 >= seconds:
+                    break
+    finally:
+        torch.set_num_threads(prev)
+    return Timed(moved, sw.seconds, sw.cpu_seconds, {"threads": threads, "bytes": nbytes})

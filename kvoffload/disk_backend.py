@@ -112,6 +112,7 @@ class _Run:
         self.copy_cond = threading.Condition()
         self.copies = 0
         self.fatal: Optional[BaseException] = None
+        self.bind_errors: list[BaseException] = []  # IO threads that could not start
         self.bytes_written = 0
         self.bytes_read = 0
 
@@ -208,16 +209,28 @@ class DiskBackend:
                             bufs.append(buf.view(rows, f.slot_bytes))
                         lane.staging.append(bufs)
                     run.lanes.append(lane)
+            started = []
             for lane in run.lanes:
                 for k, buffers in enumerate(lane.staging):
+                    ready = threading.Event()
                     t = threading.Thread(
                         target=self._serve,
-                        args=(run, lane, buffers),
+                        args=(run, lane, buffers, ready),
                         name=f"kvoffload-{'store' if lane.is_store else 'load'}-{k}",
                         daemon=True,
                     )
                     t.start()
                     lane.threads.append(t)
+                    started.append((t, ready))
+            # A thread that cannot set up its device state would leave its lane short
+            # (or empty, and jobs waiting forever): init fails instead.
+            deadline = self.clock() + join_timeout
+            for t, ready in started:
+                if not ready.wait(max(0.0, deadline - self.clock())):
+                    raise RuntimeError(f"IO thread {t.name} did not start within {join_timeout} s")
+            if run.bind_errors:
+                err = run.bind_errors[0]
+                raise RuntimeError(f"an IO thread could not set up the device: {err!r}") from err
         except BaseException:
             self._run = run
             self.shutdown()
@@ -344,9 +357,17 @@ class DiskBackend:
 
     # -- IO threads ------------------------------------------------------------
 
-    def _serve(self, run: _Run, lane: _Lane, buffers: list[torch.Tensor]) -> None:
-        stream = self._dev.bind_thread(lane.stream)
-        views = [(b, memoryview(b.numpy()).cast("B")) for b in buffers]
+    def _serve(self, run: _Run, lane: _Lane, buffers: list[torch.Tensor], ready: threading.Event) -> None:
+        try:
+            stream = self._dev.bind_thread(lane.stream, self._layout, lane.rows)
+            # Per staging buffer: its bytes, and the one event its copies record (a copy
+            # on a buffer always waits for the one before, so the event is free again).
+            views = [(b, memoryview(b.numpy()).cast("B"), self._dev.new_event()) for b in buffers]
+        except BaseException as e:
+            run.bind_errors.append(e)
+            return
+        finally:
+            ready.set()
         turn = 0
         pending: Optional[tuple[_Unit, set[int], Any]] = None  # a load whose device copy runs
         while True:
@@ -364,13 +385,13 @@ class DiskBackend:
             if run.closing or run.fatal is not None:
                 self._finish(run, lane, unit, failed=set(range(len(unit.slots))))
                 continue
-            staging, rows_mv = views[turn]
+            buf = views[turn]
             turn = (turn + 1) % len(views)
             try:
                 if lane.is_store:
-                    self._finish(run, lane, unit, self._store_unit(run, lane, stream, unit, staging, rows_mv))
+                    self._finish(run, lane, unit, self._store_unit(run, lane, stream, unit, *buf))
                     continue
-                failed, ev = self._load_unit(run, lane, stream, unit, staging, rows_mv)
+                failed, ev = self._load_unit(run, lane, stream, unit, *buf)
             except BaseException as e:  # device failure: fatal for the whole backend
                 self._fail_fatal(run, e, lane, unit)
                 pending = self._settle(run, lane, pending)
@@ -396,9 +417,9 @@ class DiskBackend:
         self._finish(run, lane, unit, failed)
         return None
 
-    def _store_unit(self, run, lane, stream, unit, staging, rows_mv) -> set[int]:
+    def _store_unit(self, run, lane, stream, unit, staging, rows_mv, event) -> set[int]:
         n = len(unit.block_ids)
-        ev = self._dev.copy_to_host(stream, self._layout, unit.block_ids, staging, range(n), unit.wait_event)
+        ev = self._dev.copy_to_host(stream, self._layout, unit.block_ids, staging, range(n), unit.wait_event, event)
         # pwritev reads staging from the CPU side: the device copy must be done first.
         ev.synchronize()
         failed: set[int] = set()
@@ -418,7 +439,7 @@ class DiskBackend:
                 run.bytes_written += (j1 - j0) * lane.file.slot_bytes
         return failed
 
-    def _load_unit(self, run, lane, stream, unit, staging, rows_mv) -> tuple[set[int], Any]:
+    def _load_unit(self, run, lane, stream, unit, staging, rows_mv, event) -> tuple[set[int], Any]:
         """Read and verify a unit, then start its copy to the device; returns (failed, copy event)."""
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, s in enumerate(unit.slots) if run.sums[s] is None}
@@ -446,7 +467,7 @@ class DiskBackend:
         try:
             # Not waited for here: _serve settles it before these staging rows are
             # read into again (vLLM's trailing-drain fix, one unit later).
-            ev = self._dev.copy_to_device(stream, self._layout, staging, good, [unit.block_ids[j] for j in good])
+            ev = self._dev.copy_to_device(stream, self._layout, staging, good, [unit.block_ids[j] for j in good], event)
         except BaseException:
             _end_copy(run)
             raise

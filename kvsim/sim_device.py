@@ -103,12 +103,15 @@ class SimDevice:
 
     # -- the Device seam --------------------------------------------------------
 
-    def bind_thread(self, stream: Any = None) -> Any:
+    def bind_thread(self, stream: Any = None, layout: Any = None, rows: int = 0) -> Any:
         """Register this thread; return its own stream, as ``CudaDevice`` gives each IO
         thread one (copies of different threads are not ordered with each other)."""
         with self._cv:
             self._bound.add(threading.get_ident())
         return SimStream(threading.current_thread().name, stream)
+
+    def new_event(self) -> None:
+        return None  # every copy gets its own SimEvent: the test completes copies one by one
 
     def pin(self, host: torch.Tensor) -> None:
         with self._cv:
@@ -123,10 +126,10 @@ class SimDevice:
             if any(c.host.data_ptr() == host.data_ptr() for c in self._pending):
                 raise RuntimeError("unpin while a copy from or to the buffer is in flight")
 
-    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None) -> SimEvent:
+    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> SimEvent:
         return self._launch(True, stream, layout, block_ids, host, rows, wait_event)
 
-    def copy_to_device(self, stream, layout, host, rows, block_ids) -> SimEvent:
+    def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> SimEvent:
         return self._launch(False, stream, layout, block_ids, host, rows, None)
 
     # -- the test's controls ----------------------------------------------------

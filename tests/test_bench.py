@@ -32,7 +32,8 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
     want = []
     for name in bench.LAYOUTS:
         want += [f"{name} raw {k}" for k in ("direct-write", "direct-read", "buffered-read")]
-        want += [f"{name} pinned h2d", f"{name} pinned d2h", f"{name} dram store", f"{name} dram load"]
+        want += [f"{name} pinned h2d", f"{name} pinned d2h", f"{name} host memcpy"]
+        want += [f"{name} dram store", f"{name} dram load"]
         for mode in ("direct", "pagecache"):
             for ck in ("on", "off"):
                 want += [f"{name} {mode} ck-{ck} {op}" for op in DISK_OPS]

@@ -117,6 +117,28 @@ def test_many_concurrent_jobs_polled_like_vllm(device, tmp_path):
         b.shutdown()
 
 
+def test_one_load_thread_reusing_its_buffers_and_events_delivers_every_byte(device, tmp_path):
+    # One load thread alternates two staging buffers, each with the one event its
+    # copies re-record: settling the wrong one would let a read overwrite rows a
+    # device copy still reads. Large blocks, one per unit, so copies take a while.
+    n = 48
+    caches = make_caches(device, n, [128 << 10, 128 << 10])
+    b = start(caches, device, tmp_path, num_slots=n, io_depth=1, io_unit_bytes=1, use_page_cache=True)
+    try:
+        want = snapshot(caches)
+        ev = []
+        slots = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+        assert run_job(b, list(range(n)), slots, True, ev).ok
+        for t in caches.values():
+            t.zero_()
+        assert run_job(b, slots, list(range(n)), False, ev, 1).ok
+        assert b.get_block_ids_with_load_errors() == set()
+        for k in caches:
+            assert torch.equal(caches[k].cpu(), want[k]), k
+    finally:
+        b.shutdown()
+
+
 def test_empty_job_still_completes(device, tmp_path):
     caches = make_caches(device, 4, [4096])
     b = start(caches, device, tmp_path)
@@ -206,6 +228,38 @@ def test_corruption_on_disk_is_a_load_error(device, tmp_path, use_page_cache):
         assert os.pwritev(f.fd, [page], off) == 4096
         run_job(b, [0, 1, 2, 3], [0, 1, 2, 3], False, ev, 1)
         assert b.get_block_ids_with_load_errors() == {2}
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout,staged", [("many", True), ("mla", True), ("aligned", False)])
+def test_copy_path_by_piece_size_serves_good_rows_and_skips_a_bad_one(tmp_path, layout, staged):
+    # Small pieces go through device staging rows, large ones as one DMA descriptor
+    # each; either way a load unit whose middle slot is corrupt delivers the others.
+    from kvoffload.device import BlockLayout, CudaDevice, resolve_device
+
+    caches = make_caches("cuda", 16, LAYOUTS[layout])
+    assert CudaDevice(resolve_device("cuda")).stages(BlockLayout.from_caches(caches)) is staged
+    b = start(caches, "cuda", tmp_path, num_slots=16, use_page_cache=True, io_depth=1)
+    try:
+        want = snapshot(caches)
+        ev = []
+        slots = list(range(15, -1, -1))
+        assert run_job(b, list(range(16)), slots, True, ev).ok
+        f = b.files[0]
+        os.pwrite(f.fd, b"\xff" * 8, slots[7] * f.slot_bytes)  # block 7's slot
+        for t in caches.values():
+            t.fill_(7)
+        run_job(b, slots, list(range(16)), False, ev, 1)
+        assert b.get_block_ids_with_load_errors() == {7}
+        for k in caches:
+            got = caches[k].cpu()
+            for i in range(16):
+                if i == 7:
+                    assert bool((got[i] == 7).all())
+                else:
+                    assert torch.equal(got[i], want[k][i]), (k, i)
     finally:
         b.shutdown()
 
@@ -359,6 +413,35 @@ def test_hung_write_at_shutdown_leaks_one_fd_and_returns(tmp_path):
 class BrokenDevice(CpuDevice):
     def copy_to_host(self, *a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class NoMemoryDevice(CpuDevice):
+    """Fails to set up the third IO thread, as a device staging allocation out of memory would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def bind_thread(self, stream, layout=None, rows=0):
+        with self.lock:
+            self.calls += 1
+            if self.calls == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+        return stream
+
+
+def test_io_thread_that_cannot_start_fails_init_and_leaves_nothing(tmp_path):
+    caches = make_caches("cpu", 4, [4096])
+    fds = open_fds()
+    b = DiskBackend()
+    with pytest.raises(RuntimeError, match="could not set up the device: OutOfMemoryError") as ei:
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv.bin"), 8, block_bytes(caches), io_depth=2,
+               device_impl=NoMemoryDevice())
+    assert isinstance(ei.value.__cause__, torch.OutOfMemoryError)
+    assert open_fds() == fds and os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvoffload-")]
+    with pytest.raises(RuntimeError, match="not initialised"):
+        b.launch_copy([0], [0], True, 0, [])
 
 
 def test_device_failure_is_fatal_not_swallowed(tmp_path):
