@@ -12,7 +12,7 @@ import pstats
 
 from kvoffload import bench
 
-DISK_OPS = ("store", "cold-load", "warm-load")
+DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
 
 
 def run_quick(capsys, tmp_path, *extra: str) -> dict:
@@ -38,8 +38,8 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
             for ck in ("on", "off"):
                 want += [f"{name} {mode} ck-{ck} {op}" for op in DISK_OPS]
     want += ["llama seam d2h", "llama seam h2d"]
-    want += [f"llama stripe 2 paths 1 disk {op}" for op in ("store", "cold-load")]
-    want += [f"llama stripe 2 dirs {op}" for op in ("store", "cold-load")]
+    want += [f"llama stripe 2 paths 1 disk {op}" for op in ("store", "rewrite", "cold-load")]
+    want += [f"llama stripe 2 dirs {op}" for op in ("store", "rewrite", "cold-load")]
     want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read")]
     assert sorted(set(want) - set(rows)) == []
     for r in out["cases"]:
