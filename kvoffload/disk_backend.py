@@ -36,6 +36,9 @@ DEFAULT_IO_DEPTH = 8
 # of 4 MiB ones (H200: 22 vs 44 GiB/s H2D with 8 threads).
 DEFAULT_IO_UNIT_BYTES = 16 << 20
 DEFAULT_JOIN_TIMEOUT_S = 10.0
+# How long init waits for its IO threads to bind the device (make a stream, maybe a
+# staging buffer): a bounded wait, so a wedged driver fails init instead of hanging it.
+START_TIMEOUT_S = 60.0
 # Stands in for a checksum when checksums are off: the slot holds a completed store.
 _VALID = -1
 
@@ -224,10 +227,10 @@ class DiskBackend:
                     started.append((t, ready))
             # A thread that cannot set up its device state would leave its lane short
             # (or empty, and jobs waiting forever): init fails instead.
-            deadline = self.clock() + join_timeout
+            deadline = time.monotonic() + START_TIMEOUT_S
             for t, ready in started:
-                if not ready.wait(max(0.0, deadline - self.clock())):
-                    raise RuntimeError(f"IO thread {t.name} did not start within {join_timeout} s")
+                if not ready.wait(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"IO thread {t.name} did not start within {START_TIMEOUT_S} s")
             if run.bind_errors:
                 err = run.bind_errors[0]
                 raise RuntimeError(f"an IO thread could not set up the device: {err!r}") from err

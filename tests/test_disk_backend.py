@@ -444,6 +444,36 @@ def test_io_thread_that_cannot_start_fails_init_and_leaves_nothing(tmp_path):
         b.launch_copy([0], [0], True, 0, [])
 
 
+class WedgedBindDevice(CpuDevice):
+    """bind_thread blocks until released, as a wedged driver would."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def bind_thread(self, stream, layout=None, rows=0):
+        self.release.wait(30)
+        return stream
+
+
+def test_io_thread_that_never_starts_fails_init_instead_of_hanging(tmp_path, monkeypatch):
+    from kvoffload import disk_backend
+
+    monkeypatch.setattr(disk_backend, "START_TIMEOUT_S", 0.3)
+    dev = WedgedBindDevice()
+    caches = make_caches("cpu", 4, [4096])
+    b = DiskBackend()
+    t0 = time.monotonic()
+    with pytest.warns(LeakedFdWarning), pytest.raises(RuntimeError, match="did not start within 0.3 s"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv.bin"), 8, block_bytes(caches), io_depth=1,
+               join_timeout=0.2, device_impl=dev)
+    assert time.monotonic() - t0 < 10
+    dev.release.set()  # the wedged threads then see shutdown's sentinel and end
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name.startswith("kvoffload-")]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_device_failure_is_fatal_not_swallowed(tmp_path):
     caches = make_caches("cpu", 4, [4096])
     b = start(caches, "cpu", tmp_path, device_impl=BrokenDevice())
