@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--io-depth", type=int, default=hw.io_depth, help="IOs in flight per IO thread")
     r.add_argument("--load-threads", type=int, default=hw.load_threads)
     r.add_argument("--store-threads", type=int, default=hw.store_threads)
+    r.add_argument("--io-unit-mib", type=float, default=hw.io_unit_bytes / 2**20,
+                   help="split each disk job into units of this many MiB over the threads (0: whole job on one, "
+                        "as vLLM 0.33; kvoffload: 16)")
     _add_scenario_args(r)
 
     g = sub.add_parser("generate", help="write a built-in scenario as a kvsim trace")
@@ -106,7 +109,7 @@ def _replay(a: argparse.Namespace) -> int:
         Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv, host_free_bytes=a.host_free,
         disk_read_gbps=a.disk_read_gbps, disk_write_gbps=a.disk_write_gbps, io_depth=a.io_depth,
-        load_threads=a.load_threads, store_threads=a.store_threads,
+        load_threads=a.load_threads, store_threads=a.store_threads, io_unit_bytes=round(a.io_unit_mib * 2**20),
     )
     if a.trace is None:
         requests = _scenario(a).requests()

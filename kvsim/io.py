@@ -1,9 +1,11 @@
 """IO resources: FIFO server stations, the OS page cache and dirty write-back.
 
-Stations are N identical servers (IO threads), each serving one job at a time in
-submission order, as BLIS models disks: N servers, not fair-shared bandwidth. A
-job's completion time is fixed when it is submitted, which is exact for FIFO
-servers and keeps the event loop free of per-block events.
+Stations are N identical servers (IO threads), each serving one job (or one unit
+of a job) at a time in submission order, as BLIS models disks: N servers, not
+fair-shared bandwidth. A job's completion time is fixed when it is submitted, which
+is exact for FIFO servers and keeps the event loop free of per-block events. The
+device a station's servers share is accounted when a job is submitted: its service
+time is computed for the number of servers busy when it starts (``next_start``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ class IoStation:
     def backlog_ns(self, now: int) -> int:
         """How long a job submitted now waits before a server takes it."""
         return max(0, min(self._free_at) - now)
+
+    def next_start(self, now: int) -> tuple[int, int]:
+        """When a job submitted now starts, and how many servers are busy then (it included)."""
+        i = self._server()
+        start = max(now, self._free_at[i])
+        return start, 1 + sum(1 for j, f in enumerate(self._free_at) if j != i and f > start)
+
+    def copy(self) -> "IoStation":
+        """The same servers, to plan a job on without submitting it."""
+        other = IoStation(len(self._free_at))
+        other._free_at = list(self._free_at)
+        other.busy_ns = self.busy_ns
+        return other
 
     def submit(self, now: int, service_ns: int) -> int:
         """Queue a job; return its completion time."""

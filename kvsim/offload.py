@@ -6,8 +6,9 @@ the first unfinished job (a high-water mark), so a finished job waits behind an
 earlier unfinished one before its blocks become visible or its request resumes.
 
 Paths: ``cpu`` = one batched PCIe copy per job on a FIFO copy stream. ``disk`` =
-IO threads, each moving a job block by block through staging buffers: with two or
-more buffers the DMA of one block overlaps the file IO of the next.
+IO threads, each moving a unit of a job (the whole job when ``io_unit_bytes`` is 0,
+as in vLLM 0.33) block by block through staging buffers: with two or more buffers
+the DMA of one block overlaps the file IO of the next.
 """
 
 from __future__ import annotations
@@ -50,24 +51,27 @@ class OffloadTier:
         if spec.page_cache:
             self.page_cache = PageCache(hw.host_free_bytes // block_bytes)
             self._writeback = WriteBack(hw.disk_write_gbps, hw.dirty_ratio * hw.host_free_bytes)
-        b = block_bytes
-        self._dma_h2d = hw.per_copy_us * 1e3 + b / hw.h2d_gbps
-        self._dma_d2h = hw.per_copy_us * 1e3 + b / hw.d2h_gbps
-        # One block through one IO thread keeping io_depth IOs in flight: latency-bound
-        # at low depth (qd1 rate), never above the thread's share of the device.
-        self._disk_read = max((hw.disk_base_us * 1e3 + b / hw.disk_qd1_gbps) / hw.io_depth,
-                              b / (hw.disk_read_gbps / hw.load_threads))
-        self._disk_write = max((hw.disk_base_us * 1e3 + b / hw.disk_qd1_gbps) / hw.io_depth,
-                               b / (hw.disk_write_gbps / hw.store_threads))
-        self._memcpy = b / hw.page_cache_gbps
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.disk_bytes_read = 0
 
     # -- timing ---------------------------------------------------------------
 
+    def _block_ns(self, busy: int, write: bool) -> tuple[float, float, float]:
+        """(file IO, page-cache copy, DMA) ns per block for one of ``busy`` busy threads.
+
+        A thread keeps io_depth IOs in flight, so it is latency-bound at low depth
+        (the QD1 rate); the busy threads share the device, host memory and PCIe.
+        """
+        hw, b = self.hw, self.block_bytes
+        disk_gbps = hw.disk_write_gbps if write else hw.disk_read_gbps
+        disk = max((hw.disk_base_us * 1e3 + b / hw.disk_qd1_gbps) / hw.io_depth, b * busy / disk_gbps)
+        memcpy = max(b / hw.page_cache_gbps, b * busy / hw.page_cache_max_gbps)
+        dma = hw.per_copy_us * 1e3 + b * busy / (hw.d2h_gbps if write else hw.h2d_gbps)
+        return disk, memcpy, dma
+
     def _pipeline(self, io_ns: Sequence[tuple[int, float]], dma_ns: float) -> int:
-        """Time for a job whose blocks take ``io_ns`` (count, ns each) of file IO."""
+        """Time for a unit whose blocks take ``io_ns`` (count, ns each) of file IO."""
         n = sum(c for c, _ in io_ns)
         if self.hw.buffer_slots == 1:
             return round(sum(c * t for c, t in io_ns) + n * dma_ns)
@@ -75,16 +79,34 @@ class OffloadTier:
         fill = min(min(t for c, t in io_ns if c), dma_ns)
         return round(fill + sum(c * max(t, dma_ns) for c, t in io_ns))
 
-    def _load_service(self, slots: Sequence[int]) -> int:
-        n = len(slots)
+    def _disk_job(self, station: IoStation, now: int, slots: Sequence[int], write: bool) -> int:
+        """Queue a disk job unit by unit on ``station``; return when its last unit is done.
+
+        Units go to whichever thread frees first, as kvoffload's lanes hand them out,
+        so one job spreads over the threads and a later short job can finish first.
+        """
+        unit = max(1, self.hw.io_unit_bytes // self.block_bytes if self.hw.io_unit_bytes else len(slots))
+        done = now
+        for i in range(0, len(slots), unit):
+            chunk = slots[i : i + unit]
+            disk, memcpy, dma = self._block_ns(station.next_start(now)[1], write)
+            if write:  # a page-cache store is a copy into the cache; write-back comes later
+                parts = [(len(chunk), memcpy if self.page_cache is not None else disk)]
+            else:
+                hits = self.page_cache.num_resident(chunk) if self.page_cache is not None else 0
+                parts = [(hits, memcpy), (len(chunk) - hits, disk)]
+            done = max(done, station.submit(now, self._pipeline(parts, dma)))
+        return done
+
+    def _load_done(self, station: IoStation, now: int, slots: Sequence[int]) -> int:
         if self.spec.kind == "cpu":
-            return round(self.hw.per_copy_us * 1e3 + n * self.block_bytes / self.hw.h2d_gbps)
-        hits = self.page_cache.num_resident(slots) if self.page_cache is not None else 0
-        return self._pipeline([(hits, self._memcpy), (n - hits, self._disk_read)], self._dma_h2d)
+            hw = self.hw
+            return station.submit(now, round(hw.per_copy_us * 1e3 + len(slots) * self.block_bytes / hw.h2d_gbps))
+        return self._disk_job(station, now, slots, write=False)
 
     def load_eta_ns(self, now: int, slots: Sequence[int]) -> int:
         """Duration from now until a load of ``slots`` submitted now would finish."""
-        return self._load_station.backlog_ns(now) + self._load_service(slots)
+        return self._load_done(self._load_station.copy(), now, slots) - now
 
     # -- the engine's calls ---------------------------------------------------
 
@@ -93,13 +115,12 @@ class OffloadTier:
 
     def load(self, now: int, keys: list[Hashable], slots: list[int], req: Any) -> Event:
         """Start loading ``keys`` (pinned by ``pool.prepare_load``) for ``req``."""
-        service = self._load_service(slots)
+        done = self._load_done(self._load_station, now, slots)
         if self.page_cache is not None:
             self.disk_bytes_read += (len(slots) - self.page_cache.num_resident(slots)) * self.block_bytes
             self.page_cache.touch(slots)
         elif self.spec.kind == "disk":
             self.disk_bytes_read += len(slots) * self.block_bytes
-        done = self._load_station.submit(now, service)
         self._loads.append(Job(done, keys, req))
         self.bytes_loaded += len(keys) * self.block_bytes
         return Event(done, Kind.IO_DONE)
@@ -119,10 +140,9 @@ class OffloadTier:
         if self.spec.kind == "cpu":
             service = round(self.hw.per_copy_us * 1e3 + n * b / self.hw.d2h_gbps)
             done = self._store_station.submit(now, service)
-        elif self.page_cache is None:
-            done = self._store_station.submit(now, self._pipeline([(n, self._disk_write)], self._dma_d2h))
         else:
-            done = self._store_station.submit(now, self._pipeline([(n, self._memcpy)], self._dma_d2h))
+            done = self._disk_job(self._store_station, now, slots, write=True)
+        if self.page_cache is not None:
             self.page_cache.touch(slots)
             # Buffered writes return once copied unless the dirty backlog is over the limit.
             done = max(done, self._writeback.dirty(now, n * b))

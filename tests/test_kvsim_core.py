@@ -81,6 +81,34 @@ def test_poll_stops_at_the_first_unfinished_job():
     assert tier.pool.num_pinned() == 0
 
 
+def _lone_load_eta_ns(tier_text: str, **hw) -> int:
+    tier = OffloadTier(parse_tier(tier_text), dataclasses.replace(Hardware(), **hw), 2 << 20)
+    keys = list(range(64))
+    tier.store(0, keys)
+    tier.poll(10**13)
+    return tier.load_eta_ns(10**13, tier.pool.prepare_load(keys))
+
+
+@pytest.mark.parametrize("tier_text", ["disk:4GiB", "disk:4GiB:pagecache"])
+def test_idle_threads_do_not_slow_a_lone_job(tier_text):
+    # Goal: the busy threads share the device, an idle device is not split. The old
+    # model gave each of N threads 1/N of the disk, so 8 threads made a lone load slower.
+    one = _lone_load_eta_ns(tier_text)
+    assert _lone_load_eta_ns(tier_text, load_threads=8) == one  # whole job on one thread
+    spread = _lone_load_eta_ns(tier_text, load_threads=8, io_unit_bytes=16 << 20)
+    assert spread < one
+
+
+def test_units_over_threads_reach_the_device_rate_not_the_qd1_rate():
+    hw = Hardware()
+    b, n = 2 << 20, 64
+    qd1 = n * (hw.disk_base_us * 1e3 + b / hw.disk_qd1_gbps)  # one IO in flight at a time
+    device = n * b / hw.disk_read_gbps
+    assert _lone_load_eta_ns("disk:4GiB") >= qd1
+    spread = _lone_load_eta_ns("disk:4GiB", load_threads=8, io_unit_bytes=16 << 20)
+    assert device <= spread < qd1 / 2
+
+
 def test_in_flight_stores_are_invisible_until_polled():
     tier = OffloadTier(parse_tier("cpu:1GiB"), Hardware(), BLOCK_BYTES)
     tier.store(0, [1, 2, 3])
