@@ -5,7 +5,7 @@ of a job) at a time in submission order, as BLIS models disks: N servers, not
 fair-shared bandwidth. A job's completion time is fixed when it is submitted, which
 is exact for FIFO servers and keeps the event loop free of per-block events. The
 device a station's servers share is accounted when a job is submitted: its service
-time is computed for the number of servers busy when it starts (``next_start``).
+time is computed for the number of servers busy when it starts (``busy_at_start``).
 """
 
 from __future__ import annotations
@@ -18,27 +18,21 @@ class IoStation:
     def __init__(self, servers: int) -> None:
         assert servers >= 1
         self._free_at = [0] * servers
-        self.busy_ns = 0
 
     def _server(self) -> int:
         free_at = self._free_at
         return free_at.index(min(free_at))  # lowest index on ties: deterministic
 
-    def backlog_ns(self, now: int) -> int:
-        """How long a job submitted now waits before a server takes it."""
-        return max(0, min(self._free_at) - now)
-
-    def next_start(self, now: int) -> tuple[int, int]:
-        """When a job submitted now starts, and how many servers are busy then (it included)."""
+    def busy_at_start(self, now: int) -> int:
+        """How many servers are busy when a job submitted now starts, it included."""
         i = self._server()
         start = max(now, self._free_at[i])
-        return start, 1 + sum(1 for j, f in enumerate(self._free_at) if j != i and f > start)
+        return 1 + sum(1 for j, f in enumerate(self._free_at) if j != i and f > start)
 
     def copy(self) -> "IoStation":
         """The same servers, to plan a job on without submitting it."""
         other = IoStation(len(self._free_at))
         other._free_at = list(self._free_at)
-        other.busy_ns = self.busy_ns
         return other
 
     def submit(self, now: int, service_ns: int) -> int:
@@ -46,7 +40,6 @@ class IoStation:
         i = self._server()
         done = max(now, self._free_at[i]) + service_ns
         self._free_at[i] = done
-        self.busy_ns += service_ns
         return done
 
 

@@ -89,7 +89,7 @@ class OffloadTier:
         done = now
         for i in range(0, len(slots), unit):
             chunk = slots[i : i + unit]
-            disk, memcpy, dma = self._block_ns(station.next_start(now)[1], write)
+            disk, memcpy, dma = self._block_ns(station.busy_at_start(now), write)
             if write:  # a page-cache store is a copy into the cache; write-back comes later
                 parts = [(len(chunk), memcpy if self.page_cache is not None else disk)]
             else:
