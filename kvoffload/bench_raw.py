@@ -205,6 +205,36 @@ def warm(files: list[RawFile]) -> None:
         run_io([f], [f.buffered_fd], FILL_IO_BYTES, 4, False, None, order="sequential")
 
 
+def run_threads(n: int, body, seconds: float) -> tuple[float, list]:
+    """Run ``body(k, deadline)`` on ``n`` threads started together; (wall seconds, their results).
+
+    The deadline is ``seconds`` after the common start. The probes in scripts/ time
+    their cases with it; an exception in any thread is raised here.
+    """
+    out = [None] * n
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n + 1)
+
+    def wrap(k):
+        barrier.wait()
+        try:
+            out[k] = body(k, deadline)
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=wrap, args=(k,)) for k in range(n)]
+    for t in ts:
+        t.start()
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    barrier.wait()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0, out
+
+
 # --- page cache -------------------------------------------------------------------
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 import numpy as np
 import torch
 
+from kvoffload.bench_raw import run_threads
 from kvoffload.device import BlockLayout, CudaDevice, alloc_host, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -51,7 +51,7 @@ def main() -> int:
         dev.pin(s)
     views = [s.view(2 * max_rows, SLOT) for s in staging]
 
-    def body(variant: str, k: int, rows: int, deadline: float, out: list) -> None:
+    def body(variant: str, k: int, rows: int, deadline: float) -> int:
         stream = dev.bind_thread(None)
         blocking = variant in ("reused+block", "depth2")
         evs = [torch.cuda.Event(blocking=blocking) for _ in range(2)]
@@ -72,21 +72,13 @@ def main() -> int:
             calls += 1
         if prev is not None:
             prev.synchronize()
-        out[k] = calls
+        return calls
 
     table = []
     for rows in rows_list:
         for t in threads_list:
             for variant in ("new event", "reused", "reused+block", "depth2"):
-                out = [0] * t
-                deadline = time.perf_counter() + a.seconds
-                ts = [threading.Thread(target=body, args=(variant, k, rows, deadline, out)) for k in range(t)]
-                t0 = time.perf_counter()
-                for th in ts:
-                    th.start()
-                for th in ts:
-                    th.join()
-                wall = time.perf_counter() - t0
+                wall, out = run_threads(t, lambda k, d: body(variant, k, rows, d), a.seconds)
                 calls = sum(out)
                 table.append((variant, t, rows, calls * rows * SLOT / wall / GiB, calls / wall))
                 print(f"  {variant:<12} {t:>3} thr {rows:>2} rows {table[-1][3]:7.2f} GiB/s {table[-1][4]:8.0f} calls/s",

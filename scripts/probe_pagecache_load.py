@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvoffload.bench import make_caches, make_jobs, poison, run_jobs, verify
-from kvoffload.bench_raw import RawFile, warm
+from kvoffload.bench_raw import RawFile, run_threads, warm
 from kvoffload.device import BlockLayout, alloc_host, make_device, resolve_device
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.os_calls import OsCalls
@@ -56,32 +56,6 @@ class TimedOsCalls(OsCalls):
             with self.lock:
                 self.calls += 1
                 self.seconds += dt
-
-
-def run_threads(n: int, body, seconds: float) -> tuple[float, list]:
-    """Start n threads running body(k, deadline) -> (bytes, preadv calls, preadv s); wall time and results."""
-    out = [None] * n
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n + 1)
-
-    def wrap(k):
-        barrier.wait()
-        try:
-            out[k] = body(k, deadline)
-        except BaseException as e:
-            errors.append(e)
-
-    ts = [threading.Thread(target=wrap, args=(k,)) for k in range(n)]
-    for t in ts:
-        t.start()
-    deadline = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    barrier.wait()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0, out
 
 
 def main() -> int:

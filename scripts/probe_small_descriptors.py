@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 import numpy as np
 import torch
 
+from kvoffload.bench_raw import run_threads
 from kvoffload.device import BlockLayout, CudaDevice, alloc_host, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -67,7 +67,7 @@ def main() -> int:
         # Each thread owns a disjoint share of the blocks, so the device side can be checked.
         shares = np.array_split(np.random.default_rng(0).permutation(n_blocks), a.threads)
 
-        def body(how, to_dev, k, deadline, out):
+        def body(how, to_dev, k, deadline):
             stream = dev.bind_thread(None, layout, rows) if how == "staged" else dev.bind_thread(None)
             ev = dev.new_event()
             mine = shares[k]
@@ -95,19 +95,11 @@ def main() -> int:
                 ev.synchronize()
                 moved += len(ids) * slot
                 u += 1
-            out[k] = (moved, ids)
+            return moved, ids
 
         for how in ("dma", "staged", "kernel"):
             for to_dev in (False, True):
-                out = [None] * a.threads
-                deadline = time.perf_counter() + a.seconds
-                ts = [threading.Thread(target=body, args=(how, to_dev, k, deadline, out)) for k in range(a.threads)]
-                t0 = time.perf_counter()
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                wall = time.perf_counter() - t0
+                wall, out = run_threads(a.threads, lambda k, d: body(how, to_dev, k, d), a.seconds)
                 # The last unit each thread moved: staging rows and device blocks must agree,
                 # and after a store both must equal the reference.
                 ok = all(_same(caches, ref if not to_dev else None, layout, hosts[k], ids)
