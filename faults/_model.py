@@ -12,9 +12,11 @@ on that slot (LevelDB ``ModelDB``, Hypothesis ``DatabaseComparison``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
+
+from kvoffload.device import random_caches as make_caches  # noqa: F401 - re-exported by faults
 
 from faults._invariants import Ledger, Op
 from faults._seam import FaultyOsCalls, Fired
@@ -38,14 +40,6 @@ class Maybe:
 
 
 SlotState = Union[bytes, Maybe, _Tag]
-
-
-def make_caches(device, num_blocks: int, tensor_bytes: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"layer{i}": torch.randint(-128, 128, (num_blocks, b), dtype=torch.int8, generator=g).to(device)
-        for i, b in enumerate(tensor_bytes)
-    }
 
 
 def block_data(caches: dict[str, torch.Tensor], b: int) -> bytes:
@@ -138,9 +132,7 @@ class KvChecker:
     def _fired_since(self) -> list[Fired]:
         if self.osc is None:
             return []
-        with self.osc._lock:
-            out = self.osc.log[self.log_pos :]
-            self.log_pos = len(self.osc.log)
+        out, self.log_pos = self.osc.log_since(self.log_pos)
         return out
 
     def _span(self, slot: int) -> tuple[int, int]:
@@ -162,9 +154,9 @@ class KvChecker:
                 )
                 self.model[s] = INVALID
             else:
-                assert not self._hit(fired, "pwritev", s, ("error", "short")), (
-                    f"store job {op.idx}: slot {s} hit by a failed or short write, yet not reported failed"
-                )
+                # A slot inside a failed multi-slot write may still be reported stored: the
+                # backend retries such writes slot by slot. Whether its bytes really are
+                # there is what the next load, or verify_all, checks.
                 self.model[s] = Maybe(data) if self._hit(fired, "pwritev", s, ("lie",)) else data
 
     def _judge_load(self, op: Op, before, load_errors, fired) -> None:
@@ -189,8 +181,7 @@ class KvChecker:
                 assert got == exp, f"load job {op.idx}: slot {s} served wrong bytes into block {b}"
 
     def _closing(self) -> bool:
-        run = getattr(self.b, "_run", None)
-        return run is None or run.closing
+        return self.b.closing
 
     # -- integrity check with faults off -------------------------------------------
 

@@ -20,10 +20,9 @@ from typing import Any, Optional
 
 from kvoffload.os_calls import OsCalls
 
-CALL_SITES = (
-    "open", "fchmod", "fallocate", "ftruncate", "pwritev", "preadv",
-    "fstat", "fstatvfs", "unlink", "close", "dio_alignment",
-)
+# Every public method of the seam is a call site, so a call added to OsCalls is
+# wrapped (and can fail) without touching this file.
+CALL_SITES = tuple(name for name, fn in vars(OsCalls).items() if callable(fn) and not name.startswith("_"))
 DATA_CALLS = ("pwritev", "preadv")
 
 # What each call fails with when the test names no errno (SQLite's default_errno column).
@@ -31,11 +30,13 @@ DEFAULT_ERRNO = {
     "open": _errno.EACCES,
     "fchmod": _errno.EPERM,
     "fallocate": _errno.ENOSPC,
+    "punch_hole": _errno.EOPNOTSUPP,
     "ftruncate": _errno.EIO,
     "pwritev": _errno.EIO,
     "preadv": _errno.EIO,
     "fstat": _errno.EIO,
     "fstatvfs": _errno.EIO,
+    "listdir": _errno.EIO,
     "unlink": _errno.EACCES,
     "close": _errno.EIO,
     "dio_alignment": _errno.EIO,
@@ -175,12 +176,16 @@ class _Rule:
     persistent: bool
     fault: Fault
     last: Optional[int] = None
+    every: int = 1  # persistent: only every k-th call from ``first`` on
+    where: Optional[Callable[[tuple], bool]] = None  # only calls whose arguments match
 
-    def match(self, call: str, n: int) -> bool:
+    def match(self, call: str, n: int, args: tuple) -> bool:
         if call != self.call or n < self.first:
             return False
+        if self.where is not None and not self.where(args):
+            return False
         if self.persistent:
-            return self.last is None or n <= self.last
+            return (self.last is None or n <= self.last) and (n - self.first) % self.every == 0
         return n == self.first
 
 
@@ -232,9 +237,20 @@ class FaultyOsCalls(OsCalls):
         """Fail only the ``n``-th call (1-based, counted from the last ``reset``)."""
         return self._add(_Rule(call, n, False, fault or Fault.error()))
 
-    def fail_from(self, call: str, n: int, fault: Optional[Fault] = None, last: Optional[int] = None) -> "FaultyOsCalls":
-        """Fail the ``n``-th call and every later one (up to ``last``): a dead device."""
-        return self._add(_Rule(call, n, True, fault or Fault.error(), last))
+    def fail_from(self, call: str, n: int, fault: Optional[Fault] = None, last: Optional[int] = None,
+                  where: Optional[Callable[[tuple], bool]] = None) -> "FaultyOsCalls":
+        """Fail the ``n``-th call and every later one (up to ``last``): a dead device.
+
+        ``where(args)`` narrows it to some calls, e.g. one file of several:
+        ``where=lambda args: args[0] == fd``.
+        """
+        return self._add(_Rule(call, n, True, fault or Fault.error(), last, where=where))
+
+    def fail_every(self, call: str, k: int, fault: Optional[Fault] = None) -> "FaultyOsCalls":
+        """Fail every ``k``-th call (k, 2k, 3k, ...): a flaky device."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        return self._add(_Rule(call, k, True, fault or Fault.error(), every=k))
 
     def fail_random(self, seed: int, rate: float, calls: Sequence[str] = CALL_SITES,
                     faults: Optional[dict[str, Sequence[Fault]]] = None) -> "FaultyOsCalls":
@@ -293,6 +309,11 @@ class FaultyOsCalls(OsCalls):
         with self._lock:
             return sum(self.fired.values())
 
+    def log_since(self, pos: int) -> tuple[list[Fired], int]:
+        """The faults fired since log position ``pos``, and the position to ask from next."""
+        with self._lock:
+            return self.log[pos:], len(self.log)
+
     # -- the decision ----------------------------------------------------------
 
     def _decide(self, call: str, args: tuple) -> tuple[Optional[int], Optional[Fault]]:
@@ -305,7 +326,7 @@ class FaultyOsCalls(OsCalls):
             for rule in self._rules:
                 if isinstance(rule, _RandomRule):
                     fault = rule.pick(call, n)
-                elif rule.match(call, n):
+                elif rule.match(call, n, args):
                     fault = rule.fault
                 if fault is not None:
                     break
@@ -337,7 +358,7 @@ class FaultyOsCalls(OsCalls):
         if fault is None:
             return real(*args, **kwargs)
         kind = fault.kind
-        err = fault.errno or DEFAULT_ERRNO[call]
+        err = fault.errno or DEFAULT_ERRNO.get(call, _errno.EIO)
         if kind == "delay":
             time.sleep(fault.seconds)
             return real(*args, **kwargs)
@@ -381,40 +402,20 @@ class FaultyOsCalls(OsCalls):
             return got
         raise AssertionError(f"unhandled fault {fault!r}")
 
-    # -- the seam --------------------------------------------------------------
 
-    def open(self, path, flags, mode=0o600, *, dir_fd=None):
-        return self._call("open", self.inner.open, path, flags, mode, dir_fd=dir_fd)
 
-    def fchmod(self, fd, mode):
-        return self._call("fchmod", self.inner.fchmod, fd, mode)
+def _wrap(call: str):
+    def method(self, *args, **kwargs):
+        return self._call(call, getattr(self.inner, call), *args, **kwargs)
 
-    def fallocate(self, fd, offset, length):
-        return self._call("fallocate", self.inner.fallocate, fd, offset, length)
+    method.__name__ = call
+    method.__doc__ = f"``OsCalls.{call}`` through the fault schedule."
+    return method
 
-    def ftruncate(self, fd, length):
-        return self._call("ftruncate", self.inner.ftruncate, fd, length)
 
-    def pwritev(self, fd, buffers, offset):
-        return self._call("pwritev", self.inner.pwritev, fd, buffers, offset)
-
-    def preadv(self, fd, buffers, offset):
-        return self._call("preadv", self.inner.preadv, fd, buffers, offset)
-
-    def fstat(self, fd):
-        return self._call("fstat", self.inner.fstat, fd)
-
-    def fstatvfs(self, fd):
-        return self._call("fstatvfs", self.inner.fstatvfs, fd)
-
-    def unlink(self, path, *, dir_fd=None):
-        return self._call("unlink", self.inner.unlink, path, dir_fd=dir_fd)
-
-    def close(self, fd):
-        return self._call("close", self.inner.close, fd)
-
-    def dio_alignment(self, fd):
-        return self._call("dio_alignment", self.inner.dio_alignment, fd)
+# The seam: one wrapper per call site, made from OsCalls itself.
+for _name in CALL_SITES:
+    setattr(FaultyOsCalls, _name, _wrap(_name))
 
 
 def _check_fault_fits(call: Optional[str], fault: Fault) -> None:

@@ -12,7 +12,6 @@ data, no file and no fd left.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from faults._invariants import FdWatch, Ledger, assert_dir_clean, assert_mode_0600, wait_threads_gone
-from faults._model import KvChecker, block_data, make_caches
+from faults._model import KvChecker, make_caches
 from faults._seam import Fault, FaultyOsCalls, is_injected
 
 # The standard workload's geometry: 576*2 + 3072 = 4224 B a block (not a multiple
@@ -70,21 +69,21 @@ def start_backend(osc, directory: Path, named: bool, device="cpu", use_page_cach
     slot = sum(TENSOR_BYTES) if use_page_cache else SLOT_BYTES_DIRECT
     b.init(
         caches, device, None, None, str(directory / "kv.bin"), NUM_SLOTS, sum(TENSOR_BYTES),
-        use_page_cache=use_page_cache, named_file=named, io_depth=1, io_unit_bytes=IO_UNIT_SLOTS * slot,
-        join_timeout=10.0, os_calls=osc,
-    )
+        use_page_cache=use_page_cache, named_file=named, io_threads=1, io_unit_bytes=IO_UNIT_SLOTS * slot,
+        join_timeout=10.0, os_calls=osc, report_load_errors=True, capacity_bytes=NUM_SLOTS * SLOT_BYTES_DIRECT)
     return b, caches
 
 
 def _leftover_ok(directory: Path, osc: FaultyOsCalls, allowed: bool) -> bool:
-    """The one file an init failure may leave: the named fallback's empty file when the
+    """The one file an init failure may leave: the named fallback's empty temp file when the
     cleanup unlink failed too (a persistent or second fault; no KV byte was written,
     and the next init removes it). A single transient fault must leave nothing."""
     names = os.listdir(directory)
     if not names:
         return False
-    assert names == ["kv.bin"] and allowed and osc.fired["unlink"] >= 1, f"init failure left {names}"
-    st = os.lstat(directory / "kv.bin")
+    assert len(names) == 1 and names[0].startswith(".kv.bin.kvoffload-") and allowed and osc.fired["unlink"] >= 1, (
+        f"init failure left {names}")
+    st = os.lstat(directory / names[0])
     assert stat.S_ISREG(st.st_mode) and st.st_size == 0, "leftover holds data"
     return True
 

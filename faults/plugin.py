@@ -1,4 +1,4 @@
-"""pytest plugin for the faults harness, registered by the ``pytest11`` entry point.
+"""pytest plugin for the faults harness, loaded by ``tests/conftest.py`` (``pytest_plugins``).
 
 Adds ``--fault-seed`` (printed in the header so any run replays), the Hypothesis
 profiles ``ci`` and ``soak``, the fixtures below, and a closing line with the
@@ -105,9 +105,8 @@ def faulty_os():
 
 
 @pytest.fixture
-def ledger(monkeypatch) -> Ledger:
-    """A Jepsen-style job ledger; the backend's JobEvents count their completions."""
-    Ledger.install(monkeypatch)
+def ledger() -> Ledger:
+    """A Jepsen-style job ledger: every launched job ends exactly once, in order per direction."""
     return Ledger()
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 
 from kvoffload.disk_backend import DiskBackend
+from kvoffload.slot_file import round_up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=a.dir or os.getcwd(), prefix=".kvoffload-") as d:
         b = DiskBackend()
         b.init(caches, device, None, None, os.path.join(d, "kv.bin"), nblocks, block,
-               use_page_cache=a.page_cache)
+               use_page_cache=a.page_cache, report_load_errors=True, capacity_bytes=nblocks * round_up(block, 4096))
         try:
             rates = {}
             for name, is_store in (("store", True), ("load", False)):

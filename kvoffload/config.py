@@ -32,12 +32,14 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"checksums", "io_depth", "named_file"})
+KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file"})
+# Keys that were renamed: the message names the new one.
+RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 # Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
 DISK_ONLY_KEYS = (
     "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
-    "direct_io_alignment", "checksums", "io_depth", "named_file",
+    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file",
 )
 
 _UNITS = {
@@ -105,13 +107,17 @@ class OffloadConfig:
     cpu_bytes_to_use_per_rank: Optional[int] = None
     num_cpu_blocks: Optional[int] = None  # explicit pool size in blocks/slots
     lazy_offload: bool = False
-    checksums: bool = True
-    io_depth: Optional[int] = None  # None: the backend's default
+    encrypt: bool = True  # AES-GCM per slot: no prompt readable from the disk
+    checksums: bool = True  # xxh3 per slot when encrypt is off
+    io_threads: Optional[int] = None  # per lane; None: the backend's default
     named_file: bool = False  # skip O_TMPFILE, use the named (and unlinked) file
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
         extra = dict(extra or {})
+        renamed = [f"{k!r} is now {RENAMED_KEYS[k]!r}" for k in sorted(extra) if k in RENAMED_KEYS]
+        if renamed:
+            raise ValueError(f"renamed kv_connector_extra_config key(s): {'; '.join(renamed)}")
         unknown = sorted(k for k in extra if k not in KNOWN_KEYS)
         if unknown:
             hints = []
@@ -137,13 +143,13 @@ class OffloadConfig:
                 kw[key] = parse_size(key, extra[key])
                 if kw[key] <= 0:
                     raise ValueError(f"{key}={extra[key]!r}: must be > 0")
-        for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_depth", 1),
+        for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_threads", 1),
                              ("direct_io_alignment", 1)):
             if key in extra:
                 kw[key] = _int(key, extra[key], minimum)
         if "direct_io_alignment" in kw and kw["direct_io_alignment"] & (kw["direct_io_alignment"] - 1):
             raise ValueError(f"direct_io_alignment={kw['direct_io_alignment']!r}: expected a power of two")
-        for key in ("use_page_cache", "lazy_offload", "checksums", "named_file"):
+        for key in ("use_page_cache", "lazy_offload", "encrypt", "checksums", "named_file"):
             if key in extra:
                 kw[key] = _bool(key, extra[key])
         cfg = cls(**kw)
@@ -179,8 +185,9 @@ class OffloadConfig:
         return num_slots(self.disk_capacity_bytes, self.slot_bytes(total_block_bytes))
 
     def backend_kwargs(self) -> dict[str, Any]:
-        """kvoffload's own ``DiskBackend.init`` keywords."""
-        return {"checksums": self.checksums, "io_depth": self.io_depth, "named_file": self.named_file}
+        """kvoffload's own ``DiskBackend.init`` keywords (the connector adds the rest)."""
+        return {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
+                "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes}
 
     def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""

@@ -1,9 +1,9 @@
 """The device seam: streams, events, batched block copies and host pinning.
 
-The backend never calls CUDA directly. ``CudaDevice`` drives real streams and
-events; ``CpuDevice`` runs the same pipeline on CPU tensors (CI exercises the real
-file path with it, it is not a mock); kvsim's ``SimDevice`` completes copies on a
-clock the test controls. All three implement ``Device``.
+The backend never calls CUDA directly. ``CudaDevice`` (``cuda_device.py``) drives
+real streams and events; ``CpuDevice`` runs the same pipeline on CPU tensors (CI
+exercises the real file path with it, it is not a mock); ``faults.SimDevice``
+completes copies when a test says. All three implement ``Device``.
 
 Copies move whole blocks between the device caches and a host buffer viewed as
 ``[rows, slot_bytes]``: block ``block_ids[j]`` of every cache tensor lands in row
@@ -13,9 +13,7 @@ each slot is one aligned span however odd the per-tensor sizes are).
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -51,6 +49,14 @@ class BlockLayout:
                 raise ValueError(
                     f"cache {name!r} has {t.shape[0]} blocks, others have {num_blocks}"
                 )
+            if not t.is_contiguous():
+                # A strided view's block i is not the span [i * stride(0), (i + 1) * stride(0))
+                # of its own bytes alone (a transpose, or the K half of a [blocks, 2, ...] KV
+                # tensor): copying that span would move, and on load overwrite, other bytes.
+                raise ValueError(
+                    f"cache {name!r} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}): each "
+                    "block must be one dense span of bytes; pass the cache tensor itself, not a strided view"
+                )
             num_blocks = t.shape[0]
             bpb = t.stride(0) * t.element_size()
             # Re-view the storage as int8 [num_blocks, bpb] (as vLLM's worker does):
@@ -74,27 +80,64 @@ class BlockLayout:
 
 
 def alloc_host(nbytes: int, alignment: int) -> torch.Tensor:
-    """An ``alignment``-aligned uint8 host tensor of ``nbytes`` (a view that keeps its
-    over-sized allocation alive).
+    """An ``alignment``-aligned, zeroed uint8 host tensor of ``nbytes`` (a view that
+    keeps its over-sized allocation alive).
 
     The CPU allocator only guarantees 64-byte alignment, and O_DIRECT rejects a
     buffer that is not aligned to the file system's DIO memory alignment, so we
-    over-allocate and slice (vLLM's ``_alloc_aligned`` does the same).
+    over-allocate and slice (vLLM's ``_alloc_aligned`` does the same). Zeroed, so
+    slot padding that no copy writes never carries old process memory to disk.
     """
-    backing = torch.empty(nbytes + alignment, dtype=torch.uint8)
+    backing = torch.zeros(nbytes + alignment, dtype=torch.uint8)
     skew = (-backing.data_ptr()) % alignment
     return backing[skew : skew + nbytes]
+
+
+def copy_rows(layout: BlockLayout, block_ids: torch.Tensor, host: torch.Tensor,
+              rows: Optional[torch.Tensor], to_host: bool) -> None:
+    """Copy blocks ``block_ids`` of every cache to or from rows of ``host`` ([rows, slot]).
+
+    ``rows`` None means rows 0..n-1 in order (one kernel per tensor, no scatter).
+    The one block<->row loop: the CPU device, the CUDA device's staging rows and
+    the simulated device all copy through it.
+    """
+    buf = host.view(torch.int8)
+    n = len(block_ids)
+    for cache, off in zip(layout.caches, layout.offsets):
+        b = cache.shape[1]
+        if rows is None:
+            part = buf[:n, off : off + b]
+            if to_host:
+                torch.index_select(cache, 0, block_ids, out=part)
+            else:
+                cache.index_copy_(0, block_ids, part)
+        elif to_host:
+            buf[:, off : off + b].index_copy_(0, rows, cache.index_select(0, block_ids))
+        else:
+            cache.index_copy_(0, block_ids, buf[:, off : off + b].index_select(0, rows))
+
+
+def random_caches(device: torch.device | str, num_blocks: int, tensor_bytes: Sequence[int],
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random int8 caches ``layer{i}: [num_blocks, tensor_bytes[i]]`` on ``device``: the
+    blocks ``python -m kvoffload``, the benchmark and the tests move and compare."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"layer{i}": torch.randint(-128, 128, (num_blocks, b), dtype=torch.int8, generator=g).to(device)
+        for i, b in enumerate(tensor_bytes)
+    }
 
 
 class Device(Protocol):
     """What the backend needs from a device. Streams may be None on CPU."""
 
     def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
-        """Prepare a worker thread for device work; return the stream its copies go on.
+        """Prepare the calling thread for device work; return the stream its copies go on.
 
-        ``stream`` is the lane's stream (vLLM's load or store stream). ``layout`` and
-        ``rows`` (the most rows one copy moves) let the device set up per-thread
-        state for that shape; raises if it cannot (device memory).
+        ``stream`` is the lane's stream (vLLM's load or store stream, or None): only
+        its priority is used. ``layout`` and ``rows`` (the most rows one copy moves)
+        let the device set up per-thread state for that shape; raises if it cannot
+        (device memory).
         """
 
     def new_event(self) -> Any:
@@ -148,6 +191,10 @@ class DoneEvent:
 DONE = DoneEvent()
 
 
+def _long(ids: Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(list(ids), dtype=torch.long)
+
+
 class CpuDevice:
     """CPU tensors stand in for device memory; copies are synchronous."""
 
@@ -166,227 +213,12 @@ class CpuDevice:
     def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
         if wait_event is not None:
             wait_event.synchronize()
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        rows_t = torch.as_tensor(list(rows), dtype=torch.long)
-        dst = host.view(torch.int8)
-        for cache, off in zip(layout.caches, layout.offsets):
-            b = cache.shape[1]
-            dst[:, off : off + b].index_copy_(0, rows_t, cache.index_select(0, ids))
+        copy_rows(layout, _long(block_ids), host, _long(rows), to_host=True)
         return DONE
 
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        rows_t = torch.as_tensor(list(rows), dtype=torch.long)
-        src = host.view(torch.int8)
-        for cache, off in zip(layout.caches, layout.offsets):
-            b = cache.shape[1]
-            cache.index_copy_(0, ids, src[:, off : off + b].index_select(0, rows_t))
+        copy_rows(layout, _long(block_ids), host, _long(rows), to_host=False)
         return DONE
-
-
-# --- CUDA -------------------------------------------------------------------------
-
-_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
-_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
-
-
-class _CUmemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _CUmemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _CUmemLocation),
-        ("dstLocHint", _CUmemLocation),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-def _load_memcpy_batch() -> Optional[Any]:
-    """cuMemcpyBatchAsync with the CUDA 12.8 ABI (the one with failIdx), or None.
-
-    Resolved through cuGetProcAddress at version 12080 so the signature is fixed
-    whatever the driver's own version (CUDA 13 renamed the default to a _v2 ABI
-    without failIdx). Called through ctypes with numpy descriptor arrays: building
-    one Python object per descriptor (cuda.bindings' list API) costs more than the
-    copy for small blocks.
-    """
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        get_proc = libcuda.cuGetProcAddress_v2
-    except (OSError, AttributeError):
-        return None
-    fn = ctypes.c_void_p()
-    status = ctypes.c_int()
-    get_proc.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                         ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
-    rc = get_proc(b"cuMemcpyBatchAsync", ctypes.byref(fn), 12080, 0, ctypes.byref(status))
-    if rc != 0 or not fn.value:
-        return None
-    proto = ctypes.CFUNCTYPE(
-        ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-        ctypes.POINTER(_CUmemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
-    )
-    return proto(fn.value)
-
-
-# Mean bytes per (tensor, block) piece under which a copy goes through a device
-# staging buffer (one DMA descriptor per row, then one scatter or gather kernel per
-# tensor) instead of one DMA descriptor per piece. The driver handles about 1.6 M
-# descriptors/s whatever their size, while the staged path pays one kernel launch
-# per tensor per copy. H200, 8 threads, 16 MiB units, H2D / D2H GiB/s:
-# 1 KiB pieces: descriptors 1.4 / 1.9, staged 3.8 / 6.9;
-# 8 KiB pieces: descriptors 11.4 / 17.1, staged 2.2 / 4.9 (128 tensors).
-STAGE_BELOW_BYTES = 4096
-
-
-class _ThreadStream(torch.cuda.Stream):
-    """An IO thread's stream, with its device staging rows when the layout needs them."""
-
-    stage: Optional[torch.Tensor] = None
-
-
-class CudaDevice:
-    """Real CUDA streams and events; one batched driver call per copy where available."""
-
-    def __init__(self, device: torch.device, use_batch_memcpy: bool = True) -> None:
-        self.device = device
-        self._batch = _load_memcpy_batch() if use_batch_memcpy else None
-        self._attr_store = _CUmemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        self._attr_load = _CUmemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_ANY)
-        self._pinned: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def batched(self) -> bool:
-        return self._batch is not None
-
-    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
-        torch.cuda.set_device(self.device)
-        # One stream per IO thread, at the lane stream's priority: on one shared
-        # stream the threads' copies run one after another, and a copy of many
-        # small descriptors is bound by per-descriptor DMA cost, not PCIe. Measured
-        # on the H200 (64 x 32 KiB tensors, 16 MiB units, 8 threads): 28 GiB/s
-        # shared, 44 GiB/s per thread, against 51.5 GiB/s contiguous pinned H2D.
-        own = _ThreadStream(self.device, priority=getattr(stream, "priority", 0))
-        if layout is not None and rows > 0 and self.stages(layout):
-            # One buffer serves both staging halves of a load thread: its copies are
-            # ordered on this stream, so a row DMA never overtakes the last scatter.
-            with torch.cuda.stream(own):  # allocated for, and freed after, this stream's work
-                own.stage = torch.empty((rows, layout.block_bytes), dtype=torch.int8, device=self.device)
-        return own
-
-    def stages(self, layout: BlockLayout) -> bool:
-        """Whether copies of this layout go through device staging rows."""
-        return self._batch is not None and layout.block_bytes / len(layout.caches) < STAGE_BELOW_BYTES
-
-    def new_event(self) -> torch.cuda.Event:
-        # Recorded again for every copy of one staging buffer: creating and destroying
-        # an event per copy takes driver locks the IO threads then queue on (H200, 16
-        # MiB units: 40-45 GiB/s H2D with a new event per copy, 50 GiB/s reused).
-        return torch.cuda.Event()
-
-    def pin(self, host: torch.Tensor) -> None:
-        # cudaHostRegister pins exactly this range; PyTorch's pinned allocator would
-        # round the size up to a power of two.
-        ptr, n = host.data_ptr(), host.numel() * host.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, n, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {n} bytes failed: error {int(err)}")
-        with self._lock:
-            self._pinned[ptr] = n
-
-    def unpin(self, host: torch.Tensor) -> None:
-        # Unregister what we registered, so init -> shutdown -> init works (vLLM 0.33
-        # leaks the registration and the second init fails in cudaHostRegister).
-        ptr = host.data_ptr()
-        with self._lock:
-            if self._pinned.pop(ptr, None) is None:
-                return
-        err = torch.cuda.cudart().cudaHostUnregister(ptr)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostUnregister failed: error {int(err)}")
-
-    def _descriptors(self, layout, block_ids, host, rows):
-        ids = np.asarray(block_ids, dtype=np.uint64)
-        rows_a = np.asarray(rows, dtype=np.uint64)
-        slot = host.stride(0) * host.element_size()
-        bases, bpb, offs = layout.pointer_arrays
-        dev = (bases[:, None] + ids[None, :] * bpb[:, None]).ravel()
-        hst = (np.uint64(host.data_ptr()) + rows_a[None, :] * np.uint64(slot) + offs[:, None]).ravel()
-        sizes = np.repeat(bpb, len(ids))
-        return dev, hst, sizes
-
-    def _batch_copy(self, dsts, srcs, sizes, attr, stream) -> None:
-        fail_idx = ctypes.c_size_t(0)
-        attr_idx = ctypes.c_size_t(0)
-        rc = self._batch(
-            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
-            ctypes.byref(attr), ctypes.byref(attr_idx), 1, ctypes.byref(fail_idx),
-            ctypes.c_void_p(stream.cuda_stream),
-        )
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {rc} at copy {fail_idx.value}")
-
-    def _staged_copy(self, stream, stage, layout, block_ids, host, rows, to_host: bool) -> None:
-        """Packed host rows <-> device rows in one descriptor each; per tensor, one
-        gather (store) or scatter (load) kernel between those rows and the caches."""
-        n, row_bytes = stage.shape
-        slot = host.stride(0) * host.element_size()
-        hst = np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
-        dev = np.uint64(stage.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
-        sizes = np.full(n, row_bytes, dtype=np.uint64)
-        with torch.cuda.stream(stream):
-            # Pinned, so the index upload is async; the host allocator keeps the
-            # buffer until the copy on this stream is done.
-            idx = torch.tensor(list(block_ids), dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-            if to_host:
-                for cache, off in zip(layout.caches, layout.offsets):
-                    torch.index_select(cache, 0, idx, out=stage[:, off : off + cache.shape[1]])
-                self._batch_copy(hst, dev, sizes, self._attr_store, stream)
-            else:
-                self._batch_copy(dev, hst, sizes, self._attr_load, stream)
-                for cache, off in zip(layout.caches, layout.offsets):
-                    cache.index_copy_(0, idx, stage[:, off : off + cache.shape[1]])
-
-    def _per_tensor_copy(self, layout, block_ids, host, rows, to_host: bool) -> None:
-        dst_all = host.view(torch.int8)
-        for cache, off in zip(layout.caches, layout.offsets):
-            b = cache.shape[1]
-            for i, r in zip(block_ids, rows):
-                h = dst_all[r, off : off + b]
-                if to_host:
-                    h.copy_(cache[i], non_blocking=True)
-                else:
-                    cache[i].copy_(h, non_blocking=True)
-
-    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        return self._copy(stream, layout, block_ids, host, rows, True, event)
-
-    def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
-        return self._copy(stream, layout, block_ids, host, rows, False, event)
-
-    def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> torch.cuda.Event:
-        stage = getattr(stream, "stage", None)
-        if stage is not None and len(block_ids) <= stage.shape[0]:
-            self._staged_copy(stream, stage[: len(block_ids)], layout, block_ids, host, rows, to_host)
-        elif self._batch is not None:
-            dev, hst, sizes = self._descriptors(layout, block_ids, host, rows)
-            if to_host:
-                self._batch_copy(hst, dev, sizes, self._attr_store, stream)
-            else:
-                self._batch_copy(dev, hst, sizes, self._attr_load, stream)
-        else:
-            with torch.cuda.stream(stream):
-                self._per_tensor_copy(layout, block_ids, host, rows, to_host)
-        ev = event if event is not None else torch.cuda.Event()
-        ev.record(stream)
-        return ev
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -400,6 +232,8 @@ def resolve_device(device: torch.device | str) -> torch.device:
 def make_device(device: torch.device) -> Device:
     """The device implementation for ``device``: CUDA for cuda devices, else CPU."""
     if device.type == "cuda":
+        from kvoffload.cuda_device import CudaDevice
+
         return CudaDevice(device)
     if device.type == "cpu":
         return CpuDevice()

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
-from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 
 class BackendFatalError(RuntimeError):
     """A device (CUDA) failure: not recoverable per job, raised on every later call."""
+
+
+class UnreportedLoadError(RuntimeError):
+    """A load failed, and the caller said it does not collect load errors.
+
+    vLLM's own ``SimpleCPUOffloadWorker`` never asks ``get_block_ids_with_load_errors()``:
+    under it a failed load that completed quietly would run the request on whatever
+    the device blocks held. So the job's event raises this instead, and the engine
+    stops loudly. ``KvoffloadConnector`` collects the errors and recomputes.
+    """
+
+
+# Completion order across all jobs of the process: tests check per-direction order with it.
+_COMPLETIONS = itertools.count(1)
 
 
 class JobEvent:
@@ -16,22 +31,33 @@ class JobEvent:
 
     ``query()`` turns True once the job is over: a store's bytes are in the file, a
     load's bytes are in device memory, or the job failed (its blocks or slots are
-    then already reported). ``ok`` says which. A job ended by a device failure
-    raises that failure from ``query``/``synchronize``, so the engine stops loudly.
+    then already reported). ``ok`` says which. A job ended by a device failure, or a
+    failed load whose caller collects no load errors, raises from ``query`` and
+    ``synchronize``, so the engine stops loudly instead of computing on stale KV.
     """
 
-    __slots__ = ("_done", "_lock", "ok", "_fatal")
+    __slots__ = ("_done", "_lock", "ok", "_raise", "completion")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self.ok: Optional[bool] = None
-        self._fatal: Optional[BaseException] = None
+        self._raise: Optional[BaseException] = None
+        self.completion = 0  # position in the process-wide completion order; 0 while pending
+
+    @property
+    def done(self) -> bool:
+        """Whether the job is over (never raises, unlike ``query``)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the job is over; whether it is (never raises)."""
+        return self._done.wait(timeout)
 
     def query(self) -> bool:
         done = self._done.is_set()
-        if done and self._fatal is not None:
-            raise BackendFatalError(str(self._fatal)) from self._fatal
+        if done and self._raise is not None:
+            raise self._raise
         return done
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
@@ -39,13 +65,17 @@ class JobEvent:
             raise TimeoutError(f"job not complete after {timeout} s")
         self.query()
 
-    def complete(self, ok: bool, fatal: Optional[BaseException] = None) -> bool:
-        """End the job once; later calls are ignored. Returns whether this call ended it."""
+    def complete(self, ok: bool, error: Optional[BaseException] = None) -> bool:
+        """End the job once; later calls are ignored. Returns whether this call ended it.
+
+        ``error``: raised by every later ``query``/``synchronize``.
+        """
         with self._lock:
             if self._done.is_set():
                 return False
             self.ok = ok
-            self._fatal = fatal
+            self._raise = error
+            self.completion = next(_COMPLETIONS)
             self._done.set()
             return True
 
@@ -54,21 +84,55 @@ class JobEvent:
         return f"JobEvent({state})"
 
 
+def block_ids(what: str, ids: Any) -> list[int]:
+    """``ids`` as a list of Python ints: a sequence (list, tuple, range, numpy or torch
+    1-D array) of integers. Floats and bools are refused: ``1.5`` must not copy block 1."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"{what} must be a sequence of block ids, got {type(ids).__name__}")
+    if getattr(ids, "ndim", 1) != 1:
+        raise TypeError(f"{what} must be one-dimensional, got shape {tuple(ids.shape)}")
+    if hasattr(ids, "tolist"):  # numpy and torch: elements become Python numbers
+        ids = ids.tolist()
+    out = []
+    for i in ids:
+        if isinstance(i, bool):
+            raise TypeError(f"{what} holds {i!r}: block ids are integers, not bools")
+        try:
+            out.append(operator.index(i))
+        except TypeError:
+            raise TypeError(f"{what} holds {i!r} ({type(i).__name__}): block ids are integers") from None
+    return out
+
+
 def check_job(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    is_store: bool,
+    src_blocks: Any,
+    dst_blocks: Any,
+    is_store: Any,
     num_device_blocks: int,
     num_slots: int,
-) -> None:
-    """Reject a malformed job before it is accepted (out-of-range ids corrupt memory, vLLM #52921)."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(f"src_blocks has {len(src_blocks)} ids, dst_blocks has {len(dst_blocks)}")
-    dev, slots = (src_blocks, dst_blocks) if is_store else (dst_blocks, src_blocks)
+) -> tuple[list[int], list[int]]:
+    """Reject a malformed job before it is accepted (out-of-range ids corrupt memory,
+    vLLM #52921); returns (device block ids, slots) as lists of ints."""
+    if not isinstance(is_store, bool):
+        raise TypeError(f"is_store must be a bool, got {is_store!r}")
+    src = block_ids("src_blocks", src_blocks)
+    dst = block_ids("dst_blocks", dst_blocks)
+    if len(src) != len(dst):
+        raise ValueError(f"src_blocks has {len(src)} ids, dst_blocks has {len(dst)}")
+    dev, slots = (src, dst) if is_store else (dst, src)
     for what, ids, limit in (("device block", dev, num_device_blocks), ("slot", slots, num_slots)):
         for i in ids:
             if not 0 <= i < limit:
                 raise ValueError(f"{what} id {i} out of range [0, {limit})")
-    dst_what = "slot" if is_store else "device block"
-    if len(set(dst_blocks)) != len(dst_blocks):
-        raise ValueError(f"a {dst_what} appears twice among the destinations of one job")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"a {'slot' if is_store else 'device block'} appears twice among the destinations of one job")
+    return dev, slots
+
+
+def check_event_idx(event_idx: Any, events_list: Any) -> None:
+    """The two arguments vLLM's worker polls by: refuse them before anything is queued."""
+    if isinstance(event_idx, bool):
+        raise TypeError(f"event_idx must be an int, got {event_idx!r}")
+    operator.index(event_idx)
+    if not callable(getattr(events_list, "append", None)):
+        raise TypeError(f"events_list must be a list, got {type(events_list).__name__}")

@@ -53,8 +53,14 @@ class _Statx(ctypes.Structure):
     ]
 
 
+# fallocate(2) modes (linux/falloc.h).
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _statx = getattr(_libc, "statx", None)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 class OsCalls:
@@ -68,6 +74,12 @@ class OsCalls:
 
     def fallocate(self, fd: int, offset: int, length: int) -> None:
         os.posix_fallocate(fd, offset, length)
+
+    def punch_hole(self, fd: int, offset: int, length: int) -> None:
+        """Free the blocks of [offset, offset + length) and keep the size (discard)."""
+        if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
 
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
@@ -83,6 +95,9 @@ class OsCalls:
 
     def fstatvfs(self, fd: int) -> os.statvfs_result:
         return os.fstatvfs(fd)
+
+    def listdir(self, dir_fd: int) -> list[str]:
+        return os.listdir(dir_fd)
 
     def unlink(self, path: str, *, dir_fd: Optional[int] = None) -> None:
         os.unlink(path, dir_fd=dir_fd)

@@ -4,10 +4,14 @@ Slot ``s`` lives at ``s * slot_bytes``. Under O_DIRECT every slot is padded to t
 file system's direct-IO alignment so that buffer address, file offset and length
 are always aligned, whatever the block size (vLLM #52678, #55424).
 
-The KV bytes never sit under a name: by default the file is anonymous
-(``O_TMPFILE``); the named fallback creates the file with ``O_EXCL|O_NOFOLLOW``
-mode 0600 relative to a directory fd, and unlinks it before a single KV byte is
-written, so neither another user nor a ``kill -9`` can leave a prompt on disk.
+The file never has a name while it holds KV bytes: by default it is anonymous
+(``O_TMPFILE``); the named fallback creates a uniquely named file with
+``O_EXCL|O_NOFOLLOW`` mode 0600 relative to a directory fd and unlinks it before a
+single KV byte is written. That hides the data from other users and leaves no file
+after a ``kill -9``; it does not keep bytes off the device: the blocks of a deleted
+file stay readable on the raw device until reused. What keeps a prompt off the
+device is the encryption of every slot (``slot_seal``), whose key never leaves
+process memory; ``close`` also discards (hole-punches) the file's blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from typing import Optional
@@ -30,8 +35,8 @@ O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 # read-modify-write cycles.
 MIN_DIRECT_ALIGNMENT = 4096
 FALLBACK_ALIGNMENT = 4096
-# A symlink raced into place between our unlink and create makes O_EXCL fail with
-# EEXIST; we retry a few times, then give up rather than loop forever.
+# A random name that exists already (only if someone plants it) makes O_EXCL fail
+# with EEXIST; we try a few names, then give up rather than loop forever.
 _CREATE_ATTEMPTS = 3
 
 
@@ -66,6 +71,20 @@ class SlotFile:
     def size(self) -> int:
         return self.slot_bytes * self.num_slots
 
+    def close(self, osc: OsCalls, discard: bool = True) -> None:
+        """Discard the file's blocks (best effort), then close it.
+
+        Punching the whole file out frees its space at once and, on a file system
+        mounted with ``discard`` (or an SSD that honours it), tells the drive the
+        blocks hold nothing; the data is encrypted either way.
+        """
+        if discard:
+            try:
+                osc.punch_hole(self.fd, 0, self.size)
+            except OSError as e:
+                logger.info("kvoffload: discarding the slot file of %s failed: %s", self.path, e.strerror)
+        _close_quietly(osc, self.fd, self.path)
+
     @classmethod
     def create(
         cls,
@@ -75,37 +94,69 @@ class SlotFile:
         block_bytes: int,
         use_page_cache: bool,
         named_file: bool = False,
+        max_slot_bytes: Optional[int] = None,
     ) -> "SlotFile":
-        """Create, secure and preallocate the slot file for ``path``; clean up on any failure."""
+        """Create, secure and preallocate the slot file for ``path``; clean up on any failure.
+
+        ``max_slot_bytes``: the most one slot may take (the caller's disk budget per
+        slot); a larger padded slot is refused before any space is reserved.
+        """
         if num_slots < 1:
             raise ValueError(f"num_disk_slots must be >= 1, got {num_slots}")
-        directory, name = os.path.split(os.path.abspath(path))
-        if not name:
-            raise ValueError(f"disk_path {path!r} names a directory; give a file path inside it")
-        dir_fd = _open_directory(osc, directory)
+        directory, name = split_disk_path(path)
+        fd = -1
+        dir_fd = -1
         try:
+            # Every fd is assigned inside the try, so an exception at any line
+            # (an interrupt included) finds it and closes it.
+            dir_fd = _open_directory(osc, directory)
             fd, named = _create(osc, dir_fd, directory, name, use_page_cache, named_file)
-        finally:
-            # A failed close of the directory fd must neither replace the create
-            # error nor leak the slot file's fd (found by tests/test_faults_sweep.py).
-            _close_quietly(osc, dir_fd, directory)
-        try:
             alignment = _alignment(osc, fd, path, use_page_cache)
             slot_bytes = slot_bytes_for(block_bytes, alignment, use_page_cache)
+            if max_slot_bytes is not None and slot_bytes > max_slot_bytes:
+                raise SlotFileError(
+                    errno.EFBIG,
+                    f"the slot file for {path!r} would exceed its budget: {num_slots} slots of "
+                    f"{block_bytes} B are padded to {slot_bytes} B each under O_DIRECT ({alignment} B "
+                    f"alignment), {num_slots * slot_bytes} B in all, but only {num_slots * max_slot_bytes} B "
+                    "were given. Size the pool with the padded slot (KvoffloadConnector does; vLLM's own "
+                    "worker does not), or set use_page_cache (no padding)",
+                )
             sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots)
             _reserve(osc, fd, sf.size, path)
         except BaseException as e:
-            _close_quietly(osc, fd, path)
+            if fd >= 0:
+                _close_quietly(osc, fd, path)
             if isinstance(e, OSError) and not isinstance(e, SlotFileError):
                 # statx, fstatvfs or ftruncate failed: say for which path.
                 raise SlotFileError(e.errno, f"cannot set up the slot file for {path!r}: {e.strerror}") from e
             raise
+        finally:
+            # A failed close of the directory fd must neither replace the create
+            # error nor leak the slot file's fd (found by tests/test_faults_sweep.py).
+            if dir_fd >= 0:
+                _close_quietly(osc, dir_fd, directory)
         logger.info(
             "kvoffload slot file for %s: %d slots x %d B = %.2f GiB, %s, %s",
             path, num_slots, slot_bytes, sf.size / 2**30,
             "O_DIRECT" if sf.direct else "page cache", "named+unlinked" if named else "anonymous",
         )
         return sf
+
+
+def split_disk_path(path: str) -> tuple[str, str]:
+    """(directory, file name) of a disk path; a path that names a directory is refused.
+
+    ``'/mnt/nvme/'`` would otherwise become the file ``nvme`` in ``/mnt``.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"disk_path must be a non-empty file path, got {path!r}")
+    if path.endswith(os.sep) or os.path.basename(path) in (".", "..") or os.path.isdir(path):
+        raise ValueError(
+            f"disk_path {path!r} names a directory; give a file path inside it, e.g. "
+            f"{os.path.join(path, 'kv')!r} (the file itself never appears there)"
+        )
+    return os.path.split(os.path.abspath(path))
 
 
 def _open_directory(osc: OsCalls, directory: str) -> int:
@@ -153,57 +204,86 @@ def _create(osc, dir_fd, directory, name, use_page_cache, named_file) -> tuple[i
         else:
             try:
                 _fix_mode(osc, fd)
-            except OSError as e:  # close it: the fd leaked here (tests/test_faults_sweep.py)
+            except BaseException as e:  # close it: the fd leaked here (tests/test_faults_sweep.py)
                 _close_quietly(osc, fd, directory)
-                raise SlotFileError(e.errno, f"cannot set mode 0600 on the slot file in {directory!r}: {e.strerror}") from e
+                if isinstance(e, OSError):
+                    raise SlotFileError(
+                        e.errno, f"cannot set mode 0600 on the slot file in {directory!r}: {e.strerror}") from e
+                raise
             return fd, False
     return _create_named(osc, dir_fd, directory, name, flags, use_page_cache), True
 
 
+def _temp_prefix(name: str) -> str:
+    return f".{name}.kvoffload-"
+
+
 def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
     path = os.path.join(directory, name)
-    for _ in range(_CREATE_ATTEMPTS):
-        # A stale file from an earlier run may be world-readable and hold prompts.
+    # Stale files from earlier runs: vLLM's own backend leaves one named exactly
+    # disk_path, which may be world-readable and hold prompts; a kvoffload init
+    # killed in the microseconds between its create and unlink leaves an empty one.
+    try:
+        stale = [name] + [n for n in osc.listdir(dir_fd) if n.startswith(_temp_prefix(name))]
+    except OSError as e:
+        raise SlotFileError(e.errno, f"cannot list {directory!r}: {e.strerror}") from e
+    for n in stale:
         try:
-            osc.unlink(name, dir_fd=dir_fd)
+            osc.unlink(n, dir_fd=dir_fd)
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise SlotFileError(e.errno, f"cannot remove stale {path!r}: {e.strerror}") from e
+            raise SlotFileError(e.errno, f"cannot remove stale {os.path.join(directory, n)!r}: {e.strerror}") from e
+    for _ in range(_CREATE_ATTEMPTS):
+        # A fresh random name per init: two backends starting on one path never
+        # unlink each other's file, and a failure can only ever remove our own.
+        tmp = _temp_prefix(name) + secrets.token_hex(8)
         try:
-            # O_EXCL: never open something that appeared after the unlink (a symlink
-            # planted there fails with EEXIST, live or dangling; nothing is followed).
-            fd = osc.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+            # O_EXCL: never open something that is already there (a symlink planted
+            # at the name fails with EEXIST, live or dangling; nothing is followed).
+            fd = osc.open(tmp, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
         except FileExistsError:
-            logger.warning("%s reappeared between unlink and create; retrying", path)
+            logger.warning("%s already exists; trying another name", os.path.join(directory, tmp))
             continue
         except OSError as e:
+            # Some file systems create the file, then refuse O_DIRECT: the name is ours.
+            _unlink_quietly(osc, tmp, dir_fd)
             if e.errno == errno.EINVAL and not use_page_cache:
                 raise SlotFileError(
                     e.errno,
                     f"the file system of {directory!r} does not support O_DIRECT; "
                     "set use_page_cache=True (kv_connector_extra_config: \"use_page_cache\": true)",
                 ) from e
-            raise SlotFileError(e.errno, f"cannot create {path!r}: {e.strerror}") from e
+            raise SlotFileError(e.errno, f"cannot create a slot file in {directory!r}: {e.strerror}") from e
         try:
             _fix_mode(osc, fd)
             # Drop the name before any KV byte is written: the data lives only as
             # long as our fd, and a crash leaves nothing behind.
-            osc.unlink(name, dir_fd=dir_fd)
-        except OSError as e:
-            # Drop the name we just created (O_EXCL made it ours, and nobody else may
-            # unlink in this directory), so a failed init leaves no file behind; it
-            # is still empty. If unlink keeps failing, the next init removes it.
             try:
-                osc.unlink(name, dir_fd=dir_fd)
-            except OSError:
-                pass
+                osc.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                # Another init on this path removed it as stale: what matters is that
+                # the file has no name left.
+                if osc.fstat(fd).st_nlink != 0:
+                    raise
+        except BaseException as e:
+            # The name is ours (O_EXCL, random): drop it, so a failed init leaves no file.
+            _unlink_quietly(osc, tmp, dir_fd)
             _close_quietly(osc, fd, path)
-            raise SlotFileError(e.errno, f"cannot secure {path!r}: {e.strerror}") from e
+            if isinstance(e, OSError):
+                raise SlotFileError(e.errno, f"cannot secure the slot file in {directory!r}: {e.strerror}") from e
+            raise
         return fd
     raise SlotFileError(
-        errno.EEXIST, f"{path!r} kept reappearing between unlink and create; refusing to use it"
+        errno.EEXIST, f"could not create a fresh slot file in {directory!r} in {_CREATE_ATTEMPTS} attempts"
     )
+
+
+def _unlink_quietly(osc: OsCalls, name: str, dir_fd: int) -> None:
+    try:
+        osc.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def _close_quietly(osc: OsCalls, fd: int, what: str) -> None:

@@ -152,7 +152,7 @@ def _build_connector_class() -> type:
             backend.init(
                 unique_gpu_caches, device, self.load_stream, self.store_stream, self.rank_path,
                 self.num_cpu_blocks, total_bytes_per_block, self.disk_buffer_slots,
-                self.use_page_cache, **self.offload.backend_kwargs(),
+                self.use_page_cache, report_load_errors=True, **self.offload.backend_kwargs(),
             )
             self._backend = backend
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvoffload.slot_pool import prefix_length
+from kvsim.slot_pool import prefix_length
 
 
 class GpuPrefixCache:

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvoffload.slot_pool import SlotPool
+from kvsim.slot_pool import SlotPool
 
 from kvsim.events import Event, Kind
 from kvsim.hardware import Hardware

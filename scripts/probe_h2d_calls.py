@@ -23,8 +23,9 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.bench_raw import run_threads
-from kvoffload.device import BlockLayout, CudaDevice, alloc_host, resolve_device
+from kvoffload.bench.ceilings import run_threads
+from kvoffload.cuda_device import CudaDevice
+from kvoffload.device import BlockLayout, alloc_host, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
 SLOT = 2 * MiB

@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.bench import make_caches, make_jobs, poison, run_jobs, verify
-from kvoffload.bench_raw import RawFile, run_threads, warm
+from kvoffload.bench.suite import make_caches, make_jobs, poison, run_jobs, verify
+from kvoffload.bench.ceilings import RawFile, run_threads, warm
 from kvoffload.device import BlockLayout, alloc_host, make_device, resolve_device
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.os_calls import OsCalls
@@ -153,7 +153,7 @@ def main() -> int:
         osc = TimedOsCalls()
         b = DiskBackend()
         b.init(caches, device, None, None, os.path.join(work, "kv.bin"), n_blocks, layout.block_bytes,
-               use_page_cache=True, checksums=ck, io_depth=t, io_unit_bytes=rows * SLOT, os_calls=osc)
+               use_page_cache=True, checksums=ck, io_threads=t, io_unit_bytes=rows * SLOT, os_calls=osc, report_load_errors=True)
         try:
             perm = np.random.default_rng(2).permutation(n_blocks)
             order = np.random.default_rng(3).permutation(n_blocks)

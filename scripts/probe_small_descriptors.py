@@ -26,8 +26,9 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.bench_raw import run_threads
-from kvoffload.device import BlockLayout, CudaDevice, alloc_host, resolve_device
+from kvoffload.bench.ceilings import run_threads
+from kvoffload.cuda_device import CudaDevice
+from kvoffload.device import BlockLayout, alloc_host, copy_rows, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
 LAYOUTS = {"llama": (64, 32 << 10), "mla": (61, 18432), "many": (128, 8 << 10), "small": (64, 1 << 10)}
@@ -84,13 +85,7 @@ def main() -> int:
                 else:
                     with torch.cuda.stream(stream):
                         idx = torch.tensor(ids, dtype=torch.long, device=device)
-                        m = mapped[k][: len(ids)]
-                        for cache, off in zip(layout.caches, layout.offsets):
-                            b = cache.shape[1]
-                            if to_dev:
-                                cache.index_copy_(0, idx, m[:, off:off + b])
-                            else:
-                                m[:, off:off + b].copy_(cache.index_select(0, idx))
+                        copy_rows(layout, idx, mapped[k], None, to_host=not to_dev)
                     ev.record(stream)
                 ev.synchronize()
                 moved += len(ids) * slot

@@ -1,15 +1,21 @@
-"""Shared fixtures: every data-path test runs on CPU and, where a GPU exists, on CUDA."""
+"""Shared fixtures: every data-path test runs on CPU and, where a GPU exists, on CUDA.
+
+The fault-injection fixtures come from ``faults.plugin``, loaded here (not by an
+entry point of the wheel), so a plain checkout with ``PYTHONPATH=.`` has them and
+other projects' pytest runs never see them.
+"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from kvoffload.device import BlockLayout
+from kvoffload.device import BlockLayout, random_caches
+
+pytest_plugins = ("faults.plugin",)
 
 HAS_CUDA = torch.cuda.is_available()
+make_caches = random_caches
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,15 +28,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> torch.device:
     return torch.device(request.param)
-
-
-def make_caches(device, num_blocks: int, tensor_bytes: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random int8 caches, one tensor per entry of ``tensor_bytes`` (bytes per block)."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        f"layer{i}": torch.randint(-128, 128, (num_blocks, b), dtype=torch.int8, generator=g).to(device)
-        for i, b in enumerate(tensor_bytes)
-    }
 
 
 def block_bytes(caches) -> int:

@@ -27,16 +27,19 @@ def parse(**extra):
 def test_defaults_match_vllm() -> None:
     cfg = OffloadConfig.from_extra_config(None)
     assert (cfg.backend, cfg.disk_capacity_bytes, cfg.disk_buffer_slots) == ("cpu", 100 * 2**30, 2)
-    assert (cfg.use_page_cache, cfg.checksums, cfg.io_depth, cfg.named_file) == (False, True, None, False)
+    assert (cfg.use_page_cache, cfg.encrypt, cfg.checksums, cfg.io_threads, cfg.named_file) == (
+        False, True, True, None, False)
     assert cfg.cpu_bytes_to_use == 8 * 2**30
     assert parse(**DISK).disk_capacity_bytes == DEFAULT_DISK_CAPACITY_BYTES
 
 
 def test_full_disk_config() -> None:
     cfg = parse(**DISK, disk_capacity_bytes="1.5 GiB", disk_buffer_slots=4, use_page_cache=True,
-                checksums=False, io_depth=16, named_file=True, lazy_offload=True, num_cpu_blocks=10)
+                encrypt=False, checksums=False, io_threads=16, named_file=True, lazy_offload=True,
+                num_cpu_blocks=10)
     assert cfg.disk_mode and cfg.disk_capacity_bytes == 1610612736
-    assert cfg.backend_kwargs() == {"checksums": False, "io_depth": 16, "named_file": True}
+    assert cfg.backend_kwargs() == {"encrypt": False, "checksums": False, "io_threads": 16, "named_file": True,
+                                    "capacity_bytes": 1610612736}
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -65,7 +68,9 @@ def test_bad_sizes(value, match) -> None:
     ({**DISK, "disk_capacity_bytes": -5}, r"disk_capacity_bytes=-5: must be > 0"),
     ({**DISK, "disk_buffer_slots": 0}, r"disk_buffer_slots=0: expected an integer >= 1"),
     ({**DISK, "disk_buffer_slots": True}, r"disk_buffer_slots=True: expected an integer >= 1"),
-    ({**DISK, "io_depth": 0}, r"io_depth=0: expected an integer >= 1"),
+    ({**DISK, "io_threads": 0}, r"io_threads=0: expected an integer >= 1"),
+    ({**DISK, "io_depth": 8}, r"renamed .*'io_depth' is now 'io_threads'"),
+    ({**DISK, "encrypt": "yes"}, r"encrypt='yes': expected a JSON boolean"),
     ({**DISK, "use_page_cache": "false"}, r"use_page_cache='false': expected a JSON boolean"),
     ({**DISK, "checksums": 1}, r"checksums=1: expected a JSON boolean"),
     ({**DISK, "direct_io_alignment": 3000}, r"direct_io_alignment=3000: expected a power of two"),
@@ -140,7 +145,13 @@ def test_rank_paths_do_not_collide_when_every_process_sees_cuda0() -> None:
 
 
 def test_importing_kvoffload_never_imports_vllm() -> None:
-    code = "import sys, kvoffload, kvoffload.config, kvoffload.slot_pool; assert 'vllm' not in sys.modules"
+    code = "import sys, kvoffload, kvoffload.config; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_importing_kvoffload_config_or_kvsim_never_imports_torch() -> None:
+    # kvsim runs kvoffload's sizing rule; importing it must not cost torch's 1-2 s.
+    code = "import sys, kvoffload, kvoffload.config, kvsim.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

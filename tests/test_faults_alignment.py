@@ -12,6 +12,7 @@ import pytest
 
 from faults import FaultyOsCalls, KvChecker, make_caches
 from kvoffload import DiskBackend
+from kvoffload.slot_file import slot_bytes_for
 
 pytestmark = pytest.mark.faults
 NAMED = pytest.mark.parametrize("named", [False, True], ids=["anonymous", "named"])
@@ -80,7 +81,8 @@ def test_direct_io_never_sends_misaligned_io(fd_guard, ext4_dir, device, named, 
     b = DiskBackend()
     bb = sum(LAYOUTS[layout])
     b.init(caches, device, None, None, str(ext4_dir / "kv.bin"), 2 * nblocks, bb, named_file=named,
-           io_depth=2, io_unit_bytes=3 << 20, os_calls=osc)
+           io_threads=2, io_unit_bytes=3 << 20, os_calls=osc, report_load_errors=True,
+           capacity_bytes=2 * nblocks * slot_bytes_for(bb, 4096, False))
     try:
         f = b.files[0]
         assert f.direct and f.alignment % 512 == 0 and f.slot_bytes % f.alignment == 0
@@ -99,7 +101,7 @@ def test_page_cache_accepts_any_block_size(fd_guard, ext4_dir, device, named, bl
     osc = AlignmentAudit()
     b = DiskBackend()
     b.init(caches, device, None, None, str(ext4_dir / "kv.bin"), 2 * nblocks, block, named_file=named,
-           use_page_cache=True, io_depth=2, io_unit_bytes=1 << 20, os_calls=osc)
+           use_page_cache=True, io_threads=2, io_unit_bytes=1 << 20, os_calls=osc, report_load_errors=True)
     try:
         f = b.files[0]
         assert not f.direct and f.slot_bytes == block  # no padding

@@ -24,7 +24,8 @@ def start(d, named, use_page_cache, device, osc=None):
     caches = make_caches(device, NBLOCKS, TENSORS, seed=21)
     b = DiskBackend()
     b.init(caches, device, None, None, str(d / "kv.bin"), NBLOCKS, sum(TENSORS), use_page_cache=use_page_cache,
-           named_file=named, io_depth=1, io_unit_bytes=1 << 20, os_calls=osc)
+           named_file=named, io_threads=1, io_unit_bytes=1 << 20, os_calls=osc, report_load_errors=True,
+           capacity_bytes=NBLOCKS * 8192)
     return b, caches
 
 
@@ -112,12 +113,13 @@ def test_real_bit_flip_on_disk_is_a_load_error(fd_guard, cache_dir, device, faul
         b.shutdown()
 
 
-def test_without_checksums_a_flip_is_served(fd_guard, cache_dir):
-    """The documented limit: checksums=False trades detection for speed; a flip is then served."""
+def test_without_encryption_or_checksums_a_flip_is_served(fd_guard, cache_dir):
+    """The documented limit: encrypt=False, checksums=False trades detection for speed; a flip is then served."""
     osc = FaultyOsCalls()
     caches = make_caches("cpu", 2, [4096], seed=22)
     b = DiskBackend()
-    b.init(caches, "cpu", None, None, str(cache_dir / "kv.bin"), 2, 4096, io_depth=1, checksums=False, os_calls=osc)
+    b.init(caches, "cpu", None, None, str(cache_dir / "kv.bin"), 2, 4096, io_threads=1, encrypt=False,
+           checksums=False, os_calls=osc, report_load_errors=True)
     try:
         ev = []
         b.launch_copy([0], [0], True, 0, ev)

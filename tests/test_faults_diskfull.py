@@ -34,7 +34,7 @@ def start(d, named, slots, osc=None, nblocks=8):
     caches = make_caches("cpu", nblocks, [BLOCK], seed=11)
     b = DiskBackend()
     b.init(caches, "cpu", None, None, str(d / "kv.bin"), slots, BLOCK, use_page_cache=True,
-           named_file=named, io_depth=1, io_unit_bytes=BLOCK, os_calls=osc)
+           named_file=named, io_threads=1, io_unit_bytes=BLOCK, os_calls=osc, report_load_errors=True)
     return b, caches
 
 

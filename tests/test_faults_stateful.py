@@ -76,8 +76,6 @@ class FaultMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(dir=_base()))
         self.dir.chmod(0o700)
-        self.patch = pytest.MonkeyPatch()
-        Ledger.install(self.patch)
         self.fds = FdWatch()
         self.osc = FaultyOsCalls()
         self.caches = make_caches("cpu", NUM_BLOCKS, [BLOCK], seed=41)
@@ -87,10 +85,10 @@ class FaultMachine(RuleBasedStateMachine):
 
     # -- lifecycle ----------------------------------------------------------------
 
-    @initialize(named=st.booleans(), io_depth=st.integers(1, 2),
+    @initialize(named=st.booleans(), io_threads=st.integers(1, 2),
                 first=st.tuples(st.sampled_from(DATA_FAULTS), st.integers(1, 3), st.booleans()))
-    def start(self, named, io_depth, first):
-        self.named, self.io_depth = named, io_depth
+    def start(self, named, io_threads, first):
+        self.named, self.io_threads = named, io_threads
         self._init()
         self.arm_fault(*first)  # every program starts with a data fault armed
         self._prefill()
@@ -105,8 +103,8 @@ class FaultMachine(RuleBasedStateMachine):
         b = DiskBackend()
         try:
             b.init(self.caches, "cpu", None, None, str(self.dir / "kv.bin"), NUM_SLOTS, BLOCK,
-                   named_file=self.named, io_depth=self.io_depth, io_unit_bytes=2 * BLOCK,
-                   join_timeout=10.0, os_calls=self.osc)
+                   named_file=self.named, io_threads=self.io_threads, io_unit_bytes=2 * BLOCK,
+                   join_timeout=10.0, os_calls=self.osc, report_load_errors=True)
         except OSError as e:
             # A fault at init: clear error, injected cause, nothing left; then heal and retry.
             assert isinstance(e, SlotFileError) and is_injected(e, chain=True), repr(e)
@@ -115,8 +113,8 @@ class FaultMachine(RuleBasedStateMachine):
             assert_dir_clean(self.dir)
             self.osc.clear()
             b.init(self.caches, "cpu", None, None, str(self.dir / "kv.bin"), NUM_SLOTS, BLOCK,
-                   named_file=self.named, io_depth=self.io_depth, io_unit_bytes=2 * BLOCK,
-                   join_timeout=10.0, os_calls=self.osc)
+                   named_file=self.named, io_threads=self.io_threads, io_unit_bytes=2 * BLOCK,
+                   join_timeout=10.0, os_calls=self.osc, report_load_errors=True)
         self.b = b
         self.ck = KvChecker(b, self.caches, self.osc, NUM_SLOTS, Ledger())
         self.ck.attach()
@@ -177,7 +175,6 @@ class FaultMachine(RuleBasedStateMachine):
                 self.osc.clear()
                 self._shutdown()
         finally:
-            self.patch.undo()
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

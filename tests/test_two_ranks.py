@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from kvoffload import bench_ranks
+from kvoffload.bench import ranks as bench_ranks
 
 SMALL = ["--device", "cpu", "--tensors", "4", "--tensor-kib", "16", "--blocks", "64", "--slots", "128",
          "--job-blocks", "8", "--raw-mib", "16", "--raw-seconds", "0.05"]

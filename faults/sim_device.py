@@ -6,7 +6,8 @@ and code that overwrites a row whose host->device copy is still in flight corrup
 the device block, exactly the bugs a real GPU shows only under load. Events report
 False until then. Copies on one stream complete in launch order and never before
 their ``wait_event``. The test completes copies with ``complete_next`` /
-``complete_all``, or gives each a virtual delay and drives ``advance_to``.
+``complete_all``, or gives each a virtual delay (``delay_ns``) and drives virtual
+time with ``advance_to``.
 Strict checks: copies need a pinned host buffer and a thread that called
 ``bind_thread``, as async CUDA copies do.
 """
@@ -15,15 +16,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from kvoffload.device import BlockLayout, DeviceEvent
-
-from kvsim.clock import Clock
+from kvoffload.device import BlockLayout, DeviceEvent, copy_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,24 +74,17 @@ class _Copy:
         return [(base + r * row_bytes, row_bytes) for r in self.rows]
 
     def move_bytes(self) -> None:
-        ids = torch.as_tensor(self.block_ids, dtype=torch.long)
-        rows = torch.as_tensor(self.rows, dtype=torch.long)
-        h = self.host.view(torch.int8)
-        for cache, off in zip(self.layout.caches, self.layout.offsets):
-            b = cache.shape[1]
-            if self.to_host:
-                h[:, off : off + b].index_copy_(0, rows, cache.index_select(0, ids))
-            else:
-                cache.index_copy_(0, ids, h[:, off : off + b].index_select(0, rows))
+        copy_rows(self.layout, torch.as_tensor(self.block_ids, dtype=torch.long), self.host,
+                  torch.as_tensor(self.rows, dtype=torch.long), self.to_host)
 
 
 class SimDevice:
-    def __init__(self, clock: Optional[Clock] = None, delay_ns: Optional[int] = None,
-                 sync_timeout: float = 10.0) -> None:
-        """``delay_ns`` with a ``clock``: a copy is due ``delay_ns`` after its launch."""
-        if (clock is None) != (delay_ns is None):
-            raise ValueError("give both clock and delay_ns, or neither")
-        self.clock, self.delay_ns, self.sync_timeout = clock, delay_ns, sync_timeout
+    def __init__(self, delay_ns: Optional[int] = None, sync_timeout: float = 10.0) -> None:
+        """``delay_ns``: a copy is due ``delay_ns`` of virtual time after its launch."""
+        if delay_ns is not None and delay_ns < 0:
+            raise ValueError(f"delay_ns must be >= 0, got {delay_ns}")
+        self.delay_ns, self.sync_timeout = delay_ns, sync_timeout
+        self.now_ns = 0  # virtual time; only advance_to moves it
         self._cv = threading.Condition()
         self._pending: list[_Copy] = []  # launch order
         self._ids = itertools.count()
@@ -162,19 +153,21 @@ class SimDevice:
         return n
 
     def advance_to(self, t_ns: int) -> int:
-        """Move the clock to ``t_ns``, completing in order the copies due by then."""
-        if self.clock is None:
-            raise RuntimeError("advance_to needs a SimDevice built with a clock and delay_ns")
+        """Move virtual time to ``t_ns``, completing in order the copies due by then."""
+        if self.delay_ns is None:
+            raise RuntimeError("advance_to needs a SimDevice built with delay_ns")
+        if t_ns < self.now_ns:
+            raise ValueError(f"virtual time cannot go backwards: now {self.now_ns} ns, asked {t_ns} ns")
         n = 0
         with self._cv:
             while True:
                 c = self._eligible()
                 if c is None or c.due_ns > t_ns:
                     break
-                self.clock.advance_to(max(self.clock.now(), c.due_ns))
+                self.now_ns = max(self.now_ns, c.due_ns)
                 self._complete(c)
                 n += 1
-            self.clock.advance_to(t_ns)
+            self.now_ns = t_ns
         return n
 
     def busy(self, addr: int, nbytes: int) -> list[str]:
@@ -198,7 +191,7 @@ class SimDevice:
             if not any(p <= ptr < p + n for p, n in self._pinned.items()):
                 raise RuntimeError("async copy with an unpinned host buffer (it would run synchronously)")
             cid = next(self._ids)
-            due = None if self.clock is None else self.clock.now() + self.delay_ns
+            due = None if self.delay_ns is None else self.now_ns + self.delay_ns
             c = _Copy(cid, to_host, stream, layout, block_ids, host, rows, wait_event, due, SimEvent(self, cid))
             self._pending.append(c)
             self.log.append(("launch", cid, "to_host" if to_host else "to_device"))
@@ -218,7 +211,7 @@ class SimDevice:
     def _complete(self, c: _Copy) -> None:
         c.move_bytes()
         self._pending.remove(c)
-        c.event.done_at_ns = None if self.clock is None else self.clock.now()
+        c.event.done_at_ns = None if self.delay_ns is None else self.now_ns
         c.event.done = True
         self.log.append(("complete", c.copy_id, "to_host" if c.to_host else "to_device"))
         self._cv.notify_all()

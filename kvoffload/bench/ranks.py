@@ -12,7 +12,6 @@ ranks share nothing but the directory, and a multiprocessing barrier starts them
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import multiprocessing as mp
@@ -20,51 +19,12 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Optional
 
 GiB = 2**30
 MiB = 2**20
-
-
-class EveryNthEIO:
-    """OsCalls that fails every ``n``-th pwritev and every ``n``-th preadv with EIO.
-
-    The fallback for ``faults.FaultyOsCalls`` (not in the tree when this was
-    written). Built on first use so this module imports without torch.
-    """
-
-    @staticmethod
-    def make(n: int):
-        from kvoffload.os_calls import OsCalls
-
-        class _EveryNth(OsCalls):
-            def __init__(self) -> None:
-                self.n = n
-                self.counts = {"pwritev": 0, "preadv": 0}
-                self.fired = 0
-                self.lock = threading.Lock()
-
-            def _should_fail(self, call: str) -> bool:
-                with self.lock:
-                    self.counts[call] += 1
-                    fail = self.counts[call] % self.n == 0
-                    self.fired += fail
-                    return fail
-
-            def pwritev(self, fd, buffers, offset):
-                if self._should_fail("pwritev"):
-                    raise OSError(errno.EIO, "injected EIO (pwritev)")
-                return super().pwritev(fd, buffers, offset)
-
-            def preadv(self, fd, buffers, offset):
-                if self._should_fail("preadv"):
-                    raise OSError(errno.EIO, "injected EIO (preadv)")
-                return super().preadv(fd, buffers, offset)
-
-        return _EveryNth()
 
 
 def _device_for(rank: int, want: str, ngpu: int) -> str:
@@ -114,7 +74,11 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
     log = logging.getLogger("kvoffload")
     log.addHandler(warned)
     log.propagate = False
-    osc = EveryNthEIO.make(a["fault_every"]) if faulty else None
+    osc = None
+    if faulty:
+        from faults import FaultyOsCalls
+
+        osc = FaultyOsCalls().fail_every("pwritev", a["fault_every"]).fail_every("preadv", a["fault_every"])
     nb, k = a["blocks"], a["job_blocks"]
     half = nb // 2  # blocks [0, half) are stored from, [half, nb) are loaded into
     g = torch.Generator(device=device).manual_seed(1000 + rank)
@@ -126,7 +90,7 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
     rng = np.random.default_rng(rank)
     b = DiskBackend()
     b.init(caches, device, None, None, os.path.join(a["dir"], f"kv.bin.rank_{rank}"), a["slots"], block_bytes,
-           named_file=True, io_depth=a["io_depth"], os_calls=osc)
+           named_file=True, io_threads=a["io_threads"], report_load_errors=True, os_calls=osc)
     st = {"rank": rank, "device": str(device), "faulty": faulty, "store_jobs": 0, "load_jobs": 0,
           "failed_stores": 0, "load_errors": 0, "blocks_verified": 0, "mismatches": 0,
           "bytes_stored": 0, "bytes_loaded": 0, "faults_fired": 0}
@@ -193,13 +157,13 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
         st["seconds"] = time.perf_counter() - t0
     finally:
         b.shutdown()
-    st["faults_fired"] = osc.fired if osc is not None else 0
+    st["faults_fired"] = osc.fired_total() if osc is not None else 0
     st["warnings_logged"] = warned.count
     return st
 
 
 def raw_ceiling(directory: str, block_bytes: int, mib: int, seconds: float) -> dict:
-    from kvoffload.bench_raw import RawFile, sweep
+    from kvoffload.bench.ceilings import RawFile, sweep
     from kvoffload.slot_file import round_up
 
     f = RawFile(directory, max(mib * MiB, 4 * round_up(block_bytes, 4096)))
@@ -223,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=512, help="device blocks per rank (512)")
     p.add_argument("--slots", type=int, default=1024, help="disk slots per rank (1024)")
     p.add_argument("--job-blocks", type=int, default=32, help="blocks per store job and per load job (32)")
-    p.add_argument("--io-depth", type=int, default=None)
+    p.add_argument("--io-threads", type=int, default=None, help="IO threads per lane (default: the backend's)")
     p.add_argument("--fault-rank", type=int, default=1, choices=(0, 1))
     p.add_argument("--fault-every", type=int, default=7, help="fail every Nth pwritev and preadv (7)")
     p.add_argument("--raw-mib", type=int, default=2048, help="size of the raw-ceiling scratch file (2048)")
@@ -254,7 +218,7 @@ def run(argv: Optional[list[str]] = None) -> dict:
     try:
         ceiling = raw_ceiling(d, block_bytes, a.raw_mib, a.raw_seconds)
         args = {"dir": d, "devices": devices, "tensors": a.tensors, "tensor_bytes": tensor_bytes,
-                "blocks": a.blocks, "slots": a.slots, "job_blocks": a.job_blocks, "io_depth": a.io_depth,
+                "blocks": a.blocks, "slots": a.slots, "job_blocks": a.job_blocks, "io_threads": a.io_threads,
                 "fault_rank": a.fault_rank, "fault_every": a.fault_every, "seconds": a.seconds}
         ctx = mp.get_context("spawn")
         barrier, results = ctx.Barrier(2), ctx.Queue()

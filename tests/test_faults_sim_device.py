@@ -9,8 +9,7 @@ import torch
 
 from kvoffload.device import BlockLayout, alloc_host
 
-from kvsim.clock import Clock
-from kvsim.sim_device import SimDevice
+from faults.sim_device import SimDevice
 
 
 def _setup(dev: SimDevice, num_blocks: int = 4, rows: int = 4):
@@ -80,15 +79,14 @@ def test_a_copy_whose_wait_event_never_fires_cannot_complete():
 
 
 def test_virtual_delay_and_clock():
-    clock = Clock()
-    dev = SimDevice(clock, delay_ns=100)
+    dev = SimDevice(delay_ns=100)
     _c, layout, host = _setup(dev)
     e1 = dev.copy_to_host(None, layout, [0], host, [0])
-    clock.advance_to(50)
+    assert dev.advance_to(50) == 0
     e2 = dev.copy_to_host(None, layout, [1], host, [1])
     assert dev.advance_to(99) == 0 and not e1.query()
     assert dev.advance_to(120) == 1 and e1.query() and not e2.query()
-    assert e1.done_at_ns == 100 and clock.now() == 120
+    assert e1.done_at_ns == 100 and dev.now_ns == 120
     assert dev.advance_to(150) == 1 and e2.done_at_ns == 150
     with pytest.raises(ValueError, match="backwards"):
         dev.advance_to(10)
@@ -114,8 +112,10 @@ def test_strict_checks():
     dev.copy_to_host(None, layout, [0], host, [0])
     with pytest.raises(RuntimeError, match="in flight"):
         dev.unpin(host)
-    with pytest.raises(ValueError, match="both clock and delay_ns"):
-        SimDevice(Clock())
+    with pytest.raises(ValueError, match="delay_ns must be >= 0"):
+        SimDevice(delay_ns=-1)
+    with pytest.raises(RuntimeError, match="needs a SimDevice built with delay_ns"):
+        SimDevice().advance_to(1)
 
 
 def test_synchronize_waits_for_the_test_thread():
@@ -141,7 +141,7 @@ def test_disk_backend_store_waits_for_the_device_copy(tmp_path):
     caches = {"k": torch.randint(-128, 128, (8, 4096), dtype=torch.int8, generator=g)}
     b = disk_backend.DiskBackend()
     b.init(caches, torch.device("cpu"), None, None, str(tmp_path / "kv.bin"), 8, 4096,
-           io_depth=1, device_impl=dev)
+           io_threads=1, device_impl=dev, report_load_errors=True)
     try:
         events: list = []
         b.launch_copy([1, 2], [5, 6], True, 0, events)

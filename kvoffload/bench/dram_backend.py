@@ -1,6 +1,6 @@
 """DRAM backend: the same contract as ``DiskBackend`` over pinned host slots.
 
-For comparing DRAM offload with disk offload on the same calls. Copies go straight
+The benchmark's DRAM row: DRAM offload and disk offload on the same calls. Copies go straight
 between device blocks and the slot rows (no staging): on CUDA they are enqueued on
 the streams and the job's CUDA event is appended at once, as vLLM's DMA backend
 does; on CPU they run inside ``launch_copy``.
@@ -43,10 +43,8 @@ class CpuBackend:
             )
         device = resolve_device(device)
         self._dev = device_impl if device_impl is not None else make_device(device)
-        if device.type == "cuda":
-            load_stream = load_stream or torch.cuda.Stream(device, priority=0)
-            store_stream = store_stream or torch.cuda.Stream(device, priority=0)
-        self._streams = {True: store_stream, False: load_stream}
+        # Copies run on the calling thread: bind it, one stream per direction.
+        self._streams = {True: self._dev.bind_thread(store_stream), False: self._dev.bind_thread(load_stream)}
         self._layout = layout
         self._num_slots = num_slots
         flat = alloc_host(num_slots * total_block_bytes, 4096)
@@ -65,12 +63,12 @@ class CpuBackend:
     ) -> None:
         if self._pool is None:
             raise RuntimeError("CpuBackend is not initialised (call init, or it was shut down)")
-        check_job(src_blocks, dst_blocks, is_store, self._layout.num_blocks, self._num_slots)
+        blocks, slots = check_job(src_blocks, dst_blocks, is_store, self._layout.num_blocks, self._num_slots)
         stream = self._streams[is_store]
         if is_store:
-            ev = self._dev.copy_to_host(stream, self._layout, src_blocks, self._pool, dst_blocks, wait_event)
+            ev = self._dev.copy_to_host(stream, self._layout, blocks, self._pool, slots, wait_event)
         else:
-            ev = self._dev.copy_to_device(stream, self._layout, self._pool, src_blocks, dst_blocks)
+            ev = self._dev.copy_to_device(stream, self._layout, self._pool, slots, blocks)
         events_list.append((event_idx, ev))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.slot_pool import SlotPool
+from kvsim.slot_pool import SlotPool
 
 HASHES = st.lists(st.integers(0, 11), min_size=1, max_size=6)
 

@@ -2,7 +2,7 @@
 
 In one run on one file system: raw O_DIRECT and buffered file IO at the block size
 (best of queue depths 1-16), the pinned copy rate, then kvoffload's store, cold
-load and warm load (O_DIRECT and page cache, checksums on and off), the DRAM
+load and warm load (O_DIRECT and page cache; slots encrypted, checksummed or neither), the DRAM
 backend, the device seam alone, and striping over several paths. Every loaded
 byte is compared with what was stored. The table (or ``--json``) comes last.
 """
@@ -26,13 +26,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvoffload.bench_raw import (
+from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_io,
     sweep, warm,
 )
-from kvoffload.cpu_backend import CpuBackend
+from kvoffload.bench.dram_backend import CpuBackend
 from kvoffload.device import BlockLayout, alloc_host, make_device
-from kvoffload.disk_backend import DEFAULT_IO_DEPTH, DEFAULT_IO_UNIT_BYTES, DiskBackend
+from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.slot_file import round_up
 
 GiB = 2**30
@@ -59,6 +59,9 @@ LAYOUTS = {
 }
 # Larger than the last-level cache (300 MiB on the H200 host), so the copy reaches DRAM.
 MEMCPY_BYTES = GiB
+# How the backend seals slots by default (its init's encrypt=True): the striping cases use it.
+DEFAULT_SEAL = "aes-gcm"
+SEALS = ("aes-gcm", "xxh3", "off")
 # The device-seam and striping cases run on this layout (2 MiB blocks).
 SEAM_LAYOUT = "llama"
 
@@ -67,7 +70,7 @@ SEAM_LAYOUT = "llama"
 class Case:
     """One measured case of one run."""
 
-    name: str  # unique within a run, e.g. "llama direct ck-on cold-load"
+    name: str  # unique within a run, e.g. "llama direct aes-gcm cold-load"
     group: str  # raw | copy | disk | dram | seam | stripe
     layout: str
     timed: Timed
@@ -82,12 +85,12 @@ class Config:
     dirs: list[str]
     layouts: list[Layout]
     modes: list[str]
-    checksums: list[bool]
+    seals: list[str]
     case_bytes: Optional[int]  # None: sized from a probe
     case_seconds: float
     raw_seconds: float
     job_bytes: int
-    io_depth: Optional[int]
+    io_threads: Optional[int]
     slots: str
     allow_drop_caches: bool
     quick: bool
@@ -166,15 +169,15 @@ class Bench:
             load_order = rng.permutation(n) if cfg.slots == "random" else np.arange(n)
             store_jobs, load_jobs = make_jobs(n, perm, load_order, max(1, cfg.job_bytes // L.block_bytes))
             for mode in cfg.modes:
-                for ck in cfg.checksums:
-                    self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, ck, store_jobs, load_jobs,
-                              prefix=f"{L.name} {mode} ck-{'on' if ck else 'off'}", warm_load=True)
+                for seal in cfg.seals:
+                    self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, seal, store_jobs, load_jobs,
+                              prefix=f"{L.name} {mode} {seal}", warm_load=True)
             self.dram(L, caches, ref, store_jobs, load_jobs)
             if L.name == SEAM_LAYOUT:
                 one_disk = [os.path.join(work[0], f"p{i}", "kv.bin") for i in range(2)]
                 for p in one_disk:
                     os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
-                self.disk(L, caches, ref, one_disk, "direct", True, store_jobs, load_jobs,
+                self.disk(L, caches, ref, one_disk, "direct", DEFAULT_SEAL, store_jobs, load_jobs,
                           prefix=f"{L.name} stripe 2 paths 1 disk", warm_load=False, group="stripe")
                 if len(work) > 1:
                     self.multi_dir(L, caches, ref, work, store_jobs, load_jobs, slot, n)
@@ -188,7 +191,7 @@ class Bench:
 
     # -- kvoffload cases ---------------------------------------------------------
 
-    def disk(self, L, caches, ref, paths, mode, checksums, store_jobs, load_jobs, prefix, warm_load,
+    def disk(self, L, caches, ref, paths, mode, seal, store_jobs, load_jobs, prefix, warm_load,
              group="disk", ceilings=None) -> None:
         cfg = self.cfg
         ceilings = ceilings or {"write": f"{L.name} raw direct-write", "read": f"{L.name} raw direct-read"}
@@ -196,7 +199,9 @@ class Bench:
         b = DiskBackend()
         with self.profiled():  # IO threads start here: each gets its profiler
             b.init(caches, cfg.device, None, None, paths[0], n, L.block_bytes, use_page_cache=(mode == "pagecache"),
-                   disk_paths=paths if len(paths) > 1 else None, checksums=checksums, io_depth=cfg.io_depth)
+                   disk_paths=paths if len(paths) > 1 else None, encrypt=seal == "aes-gcm",
+                   checksums=seal == "xxh3", io_threads=cfg.io_threads, report_load_errors=True,
+                   capacity_bytes=n * round_up(L.block_bytes, 4096))
         try:
             fds = [(f.fd, f.size) for f in b.files]
             # "rewrite" runs the same stores again. A fresh slot file is fallocated, and
@@ -208,7 +213,7 @@ class Bench:
                     t, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
                 ok = ok and not b.get_failed_store_slots()
                 self.add(Case(f"{prefix} {op}", group, L.name, t, ceilings["write"], None,
-                              {"mode": mode, "checksums": checksums, "store_ok": ok, "paths": len(paths)}))
+                              {"mode": mode, "seal": seal, "store_ok": ok, "paths": len(paths)}))
             drop = drop_page_cache(fds, cfg.allow_drop_caches)
             self.drops.append({"case": prefix, "mode": mode, **drop.as_dict()})
             poison(caches)
@@ -216,7 +221,7 @@ class Bench:
                 t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
             good = ok and not b.get_block_ids_with_load_errors() and verify(caches, ref)
             self.add(Case(f"{prefix} cold-load", group, L.name, t, ceilings["read"], good,
-                          {"mode": mode, "checksums": checksums, "resident_before": drop.resident_after,
+                          {"mode": mode, "seal": seal, "resident_before": drop.resident_after,
                            "paths": len(paths)}))
             if warm_load:
                 resident = resident_of(fds)
@@ -226,7 +231,7 @@ class Bench:
                 good = ok and not b.get_block_ids_with_load_errors() and verify(caches, ref)
                 ceil = f"{L.name} pinned h2d" if mode == "pagecache" else ceilings["read"]
                 self.add(Case(f"{prefix} warm-load", group, L.name, t, ceil, good,
-                              {"mode": mode, "checksums": checksums, "resident_before": resident}))
+                              {"mode": mode, "seal": seal, "resident_before": resident}))
         finally:
             b.shutdown()
 
@@ -248,12 +253,12 @@ class Bench:
 
     def seam(self, L, caches, ref, staging: torch.Tensor) -> None:
         """The device copy alone through ``Device.copy_to_host/copy_to_device``, as the backend
-        drives it: IO-unit calls from ``io_depth`` threads, each on the stream ``bind_thread`` gives it."""
+        drives it: IO-unit calls from ``io_threads`` threads, each on the stream ``bind_thread`` gives it."""
         cfg = self.cfg
         layout = BlockLayout.from_caches(caches)
         n, rows = layout.num_blocks, staging.shape[0]
         unit = max(1, DEFAULT_IO_UNIT_BYTES // staging.shape[1])  # rows per call, as the backend's units
-        threads = cfg.io_depth or DEFAULT_IO_DEPTH
+        threads = cfg.io_threads or DEFAULT_IO_THREADS
         d2h = Timed(0, 0.0, 0.0)
         h2d = Timed(0, 0.0, 0.0)
 
@@ -287,7 +292,7 @@ class Bench:
                 acc.seconds += sw.seconds
                 acc.cpu_seconds += sw.cpu_seconds
         good = verify(caches, ref)
-        info = {"rows_per_call": unit, "threads": threads, "batched": bool(getattr(self.dev, "batched", False))}
+        info = {"rows_per_call": unit, "threads": threads}
         self.add(Case(f"{L.name} seam d2h", "seam", L.name, d2h, f"{L.name} pinned d2h", None, info))
         self.add(Case(f"{L.name} seam h2d", "seam", L.name, h2d, f"{L.name} pinned h2d", good, info))
 
@@ -308,7 +313,7 @@ class Bench:
             for r in raws:
                 r.close()
         paths = [os.path.join(d, "kv.bin") for d in work]
-        self.disk(L, caches, ref, paths, "direct", True, store_jobs, load_jobs,
+        self.disk(L, caches, ref, paths, "direct", DEFAULT_SEAL, store_jobs, load_jobs,
                   prefix=f"{L.name} stripe {len(work)} dirs", warm_load=False, group="stripe",
                   ceilings={"write": f"{L.name} raw direct-write {len(work)} dirs",
                             "read": f"{L.name} raw direct-read {len(work)} dirs"})
@@ -564,9 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case-seconds", type=float, default=1.5, help="target seconds per case when sizing (1.5)")
     p.add_argument("--raw-seconds", type=float, default=0.4, help="seconds per raw queue depth / copy ceiling (0.4)")
     p.add_argument("--modes", default="direct,pagecache", help="comma list of direct, pagecache")
-    p.add_argument("--checksums", default="on,off", help="comma list of on, off")
+    p.add_argument("--seals", default="aes-gcm,xxh3,off",
+                   help="comma list of how slots are sealed: aes-gcm (the default: encrypted), xxh3 (checksums), off")
     p.add_argument("--job-mib", type=float, default=32, help="MiB per launch_copy job (32)")
-    p.add_argument("--io-depth", type=int, default=None, help="DiskBackend io_depth (default: the backend's)")
+    p.add_argument("--io-threads", type=int, default=None, help="DiskBackend io_threads (IO threads per lane) (default: the backend's)")
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
                    help="slot placement: random (a warm free list, one IO per block) or sequential")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -586,17 +592,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     modes = [m for m in a.modes.split(",") if m]
     if not layouts or any(m not in ("direct", "pagecache") for m in modes) or not modes:
         raise SystemExit("--modes: a comma list of direct, pagecache; --layouts must not be empty")
-    checks = [{"on": True, "off": False}[c] for c in a.checksums.split(",") if c]
+    seals = [x for x in a.seals.split(",") if x]
+    if not seals or any(x not in SEALS for x in seals):
+        raise SystemExit(f"--seals: a comma list of {', '.join(SEALS)}")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no GPU")
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     if a.runs < 1:
         raise SystemExit("--runs must be >= 1")
     cfg = Config(
-        device=device, dirs=a.dir or [os.getcwd()], layouts=layouts, modes=modes, checksums=checks,
+        device=device, dirs=a.dir or [os.getcwd()], layouts=layouts, modes=modes, seals=seals,
         case_bytes=int(a.gib * GiB) if a.gib else (8 * MiB if a.quick else None),
         case_seconds=a.case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
-        job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_depth=a.io_depth, slots=a.slots,
+        job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads, slots=a.slots,
         allow_drop_caches=not a.no_drop_caches, quick=a.quick, seed=a.seed, max_blocks=a.max_blocks,
     )
     work = [tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d) for d in cfg.dirs]
@@ -640,8 +648,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "device": str(device), "runs": a.runs, "quick": a.quick, "bytes_per_case": nbytes,
             "layouts": {L.name: {"block_bytes": L.block_bytes, "tensors": len(L.tensor_bytes), "note": L.note}
                         for L in layouts},
-            "modes": modes, "checksums": checks, "slots": cfg.slots, "job_bytes": cfg.job_bytes,
-            "io_depth": cfg.io_depth, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
+            "modes": modes, "seals": seals, "slots": cfg.slots, "job_bytes": cfg.job_bytes,
+            "io_threads": cfg.io_threads, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
         },
         "cache_drop": {"summary": drop_summary(drops), "cases": drops},
         "cases": rows,

@@ -1,0 +1,119 @@
+"""The load path: ``preadv`` from the slot file -> opened (decrypted or verified) -> device blocks.
+
+A load thread takes one unit, fails at once (no IO) the slots that hold no completed
+store, reads each run of consecutive valid slots with one ``preadv``, opens each slot
+against its record, and starts one batched copy of the good rows to their device
+blocks. It has two staging buffers: it reads its next unit into one while the copy
+from the other still runs, and waits for that copy (then ends its unit) before the
+buffer is read into again. Reusing a buffer before its copy finished was vLLM's
+trailing-drain bug: the next ``preadv`` overwrote rows the GPU was still reading.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, Optional
+
+import torch
+
+from kvoffload.run import Lane, Unit, units_of
+
+# A load whose device copy is running: (unit, failed rows, copy event or None).
+_Pending = Optional[tuple[Unit, set[int], Any]]
+
+
+class LoadLane(Lane):
+    direction = "load"
+    buffers_per_thread = 2
+
+    def loop(self, stream: Any, views: list) -> None:
+        run = self.run
+        turn = 0
+        pending: _Pending = None
+        while True:
+            if pending is None:
+                unit = self.queue.get()
+            else:
+                try:
+                    unit = self.queue.get_nowait()
+                except queue.Empty:  # nothing to overlap with: finish the pending load now
+                    pending = self.settle(pending)
+                    continue
+            if unit is None:
+                self.settle(pending)
+                return
+            if run.closing or run.fatal is not None:
+                self.finish(unit, set(range(len(unit.slots))))
+                continue
+            rows, mv, event = views[turn]
+            turn = (turn + 1) % len(views)
+            try:
+                failed, ev = self.load(stream, unit, rows, mv, event)
+            except BaseException as e:  # a device failure: fatal for the whole backend
+                run.fail_fatal(e, self, unit)
+                pending = self.settle(pending)
+                continue
+            # The previous unit's copy had all of this unit's file IO to finish in;
+            # its buffer is the one the next unit reads into, so wait for it now.
+            self.settle(pending)
+            pending = (unit, failed, ev)
+
+    def settle(self, pending: _Pending) -> None:
+        """Wait for a load's copy to the device, then finish its unit."""
+        if pending is None:
+            return None
+        unit, failed, ev = pending
+        if ev is not None:
+            try:
+                ev.synchronize()
+            except BaseException as e:
+                self.run.fail_fatal(e, self, unit)
+                return None
+            finally:
+                self.end_copy()
+        self.finish(unit, failed)
+        return None
+
+    def load(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any) -> tuple[set[int], Any]:
+        """Read and open a unit, then start its copy to the device; returns (failed, copy event)."""
+        run, f = self.run, self.file
+        # Taken before the IO: a store that rewrote a slot meanwhile fails its check.
+        records = [run.records[s] for s in unit.slots]
+        # Slots never stored, or whose store failed, are errors without any IO.
+        failed = {j for j, r in enumerate(records) if r is None}
+        for j0, j1 in units_of(unit.local, skip=failed):
+            failed |= self.transfer(mv, unit, j0, j1)
+        payload = run.layout.block_bytes
+        read = 0
+        for j, slot in enumerate(unit.slots):
+            if j in failed:
+                continue
+            read += 1
+            if not run.seal.open(slot, mv[j * f.slot_bytes :], payload, records[j]):
+                run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
+                                slot, f.path, run.seal.name)
+                failed.add(j)
+        with run.lock:
+            run.bytes_read += read * f.slot_bytes
+        good = [j for j in range(len(unit.slots)) if j not in failed]
+        if not good:
+            return failed, None
+        with run.copy_cond:
+            if run.closing:  # released from a hang after shutdown: the blocks are not ours
+                return set(range(len(unit.slots))), None
+            run.copies += 1
+        try:
+            # Not waited for here: loop() settles it before these staging rows are
+            # read into again (vLLM's trailing-drain fix, one unit later).
+            ev = run.dev.copy_to_device(stream, run.layout, rows, good, [unit.block_ids[j] for j in good], event)
+        except BaseException:
+            self.end_copy()
+            raise
+        return failed, ev
+
+    def end_copy(self) -> None:
+        """A load's device copy is over (done or failed): shutdown may be waiting for it."""
+        run = self.run
+        with run.copy_cond:
+            run.copies -= 1
+            run.copy_cond.notify_all()

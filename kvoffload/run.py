@@ -1,0 +1,434 @@
+"""One ``init``'s worth of state: slot files, lanes, IO threads, jobs and per-slot records.
+
+Everything an IO thread touches belongs to its ``Run``: a thread that outlives
+``shutdown`` (hung in the kernel) only ever sees its own run, never a later init's.
+``DiskBackend`` is the thin vLLM contract over it. The store path is
+``store_path.StoreLane``, the load path ``load_path.LoadLane``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from kvoffload.device import BlockLayout, Device, alloc_host
+from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
+from kvoffload.os_calls import OsCalls
+from kvoffload.slot_file import SlotFile
+from kvoffload.slot_seal import TAG_BYTES, SlotSeal
+
+logger = logging.getLogger("kvoffload")
+
+# Runs whose IO threads outlived shutdown, until their last thread ends. Held for the
+# process, not the backend object: their staging memory stays registered with the
+# device and a late IO may still write it, so it must not be freed and handed out again.
+_ABANDONED: set["Run"] = set()
+# Every run with threads, so a fork() child can tell that its copy has none.
+_LIVE: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for run in list(_LIVE):
+        run.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@dataclass
+class Job:
+    event: JobEvent
+    is_store: bool
+    pending: int  # units not finished yet
+    job_id: int = -1
+    failed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class Unit:
+    job: Job
+    block_ids: list[int]  # device block ids
+    slots: list[int]  # global slot ids, same order
+    local: list[int]  # slot index inside this lane's file
+    wait_event: Any = None
+
+
+class RateLimitedLog:
+    """At most ``burst`` warnings per ``window_s`` per kind, then one summary: a dying
+    disk fails every IO, and one line per IO unit would bury the log."""
+
+    def __init__(self, burst: int = 10, window_s: float = 60.0) -> None:
+        self.burst, self.window_s = burst, window_s
+        self._lock = threading.Lock()
+        self._state: dict[str, list[float]] = {}  # kind -> [window start, count, suppressed]
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.setdefault(kind, [now, 0, 0])
+            if now - st[0] >= self.window_s:
+                if st[2]:
+                    logger.warning("kvoffload: %d more %s warning(s) suppressed in the last %.0f s",
+                                   st[2], kind, now - st[0])
+                st[:] = [now, 0, 0]
+            st[1] += 1
+            if st[1] > self.burst:
+                st[2] += 1
+                return
+        logger.warning(msg, *args)
+
+
+class Lane:
+    """One direction of one slot file: a queue and the threads that serve it."""
+
+    direction = ""  # "store" or "load"
+    buffers_per_thread = 1
+
+    def __init__(self, run: "Run", file: SlotFile, stream: Any, rows: int) -> None:
+        self.run = run
+        self.file = file
+        self.stream = stream
+        self.rows = rows  # blocks per unit
+        self.queue: queue.SimpleQueue[Optional[Unit]] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+
+    def staging(self) -> list[tuple[torch.Tensor, memoryview]]:
+        """One thread's staging buffers as ([rows, slot_bytes] tensor, bytes with the spare
+        tail); each is registered with the run before it is pinned."""
+        out = []
+        slot = self.file.slot_bytes
+        for _ in range(self.buffers_per_thread):
+            # TAG_BYTES spare: sealing the last row borrows the 16 bytes after it.
+            buf = alloc_host(self.rows * slot + TAG_BYTES, max(self.file.alignment, 4096))
+            self.run.pinned.append(buf)
+            self.run.dev.pin(buf)
+            out.append((buf[: self.rows * slot].view(self.rows, slot), memoryview(buf.numpy()).cast("B")))
+        return out
+
+    def serve(self, buffers: list[tuple[torch.Tensor, memoryview]], ready: threading.Event) -> None:
+        run = self.run
+        try:
+            try:
+                stream = run.dev.bind_thread(self.stream, run.layout, self.rows)
+                # Per staging buffer: its rows, its bytes and the one event its copies
+                # record (a copy on a buffer always waits for the one before, so the
+                # event is free again).
+                views = [(rows, mv, run.dev.new_event()) for rows, mv in buffers]
+            except BaseException as e:
+                run.bind_errors.append(e)
+                return
+            finally:
+                ready.set()
+            self.loop(stream, views)
+        finally:
+            run.thread_ended()
+
+    def loop(self, stream: Any, views: list) -> None:
+        raise NotImplementedError
+
+    def transfer(self, mv: memoryview, unit: Unit, j0: int, j1: int) -> set[int]:
+        """pwritev/preadv rows [j0, j1) of ``mv`` to or from the unit's file slots (consecutive
+        in the file); returns the rows that failed.
+
+        One IO error fails only the slots it touched: after a failed or short transfer
+        of several slots, the slots a short one fully moved count as done and the
+        others are tried one by one. A failed slot is never trusted again until a
+        later store rewrites it whole (old, new or mixed bytes: fsyncgate).
+        """
+        f = self.file
+        size = f.slot_bytes
+        call = self.run.osc.pwritev if self.direction == "store" else self.run.osc.preadv
+        try:
+            done = call(f.fd, [mv[j0 * size : j1 * size]], unit.local[j0] * size)
+            error: Any = f"short {self.direction}: {done} of {(j1 - j0) * size} bytes"
+        except OSError as e:
+            done, error = 0, e
+        if done == (j1 - j0) * size:
+            return set()
+        if j1 - j0 == 1:
+            failed = {j0}
+        else:
+            failed = set()
+            for j in range(j0 + done // size, j1):  # a short transfer still moved the slots before
+                try:
+                    one = call(f.fd, [mv[j * size : (j + 1) * size]], unit.local[j] * size)
+                except OSError as e:
+                    one, error = 0, e
+                if one != size:
+                    failed.add(j)
+        if failed:
+            self.run.log.warning(
+                f"{self.direction} error", "kvoffload: %s of slots %s of %s failed: %s",
+                self.direction, [unit.slots[j] for j in sorted(failed)], f.path, error,
+            )
+        return failed
+
+    def finish(self, unit: Unit, failed: set[int]) -> None:
+        """One unit is over; ``failed`` holds its row indices that failed."""
+        run = self.run
+        if failed:
+            run.record_failures(self.direction == "store", unit, failed)
+        job = unit.job
+        with job.lock:
+            job.pending -= 1
+            job.failed |= bool(failed)
+            last = job.pending == 0
+        if last:
+            run.end_job(job, failed=job.failed)
+
+
+class Run:
+    """Everything one ``init`` creates; ``stop``/``close`` retire it as a whole."""
+
+    def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
+                 report_load_errors: bool, threads_per_lane: int) -> None:
+        self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
+        self.num_slots = num_slots
+        self.threads_per_lane = threads_per_lane
+        self.report_load_errors = report_load_errors
+        self.files: list[SlotFile] = []
+        self.lanes: dict[bool, list[Lane]] = {True: [], False: []}  # is_store -> lanes
+        self.pinned: list[torch.Tensor] = []
+        self.records: list[Any] = [None] * num_slots  # per slot: its seal record, None = invalid
+        self.lock = threading.Lock()  # jobs, errors, counters, fatal
+        self.load_errors: set[int] = set()
+        self.failed_store_slots: set[int] = set()
+        self.open_jobs: dict[int, Job] = {}
+        self.job_ids = itertools.count()
+        self.closing = False
+        self.forked = False
+        self.closed = False
+        # Orders loads' device copies against `closing`: a job that shutdown ended
+        # as failed must not get device blocks written afterwards. Held only to
+        # check and count, never across the copy, so threads copy side by side.
+        self.copy_cond = threading.Condition()
+        self.copies = 0
+        self.fatal: Optional[BackendFatalError] = None
+        self.bind_errors: list[BaseException] = []  # IO threads that could not start
+        self.alive = 0  # IO threads started and not ended
+        self.abandoned = False  # shutdown gave up on a thread: the last one out closes the run
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.log = RateLimitedLog()
+
+    # -- start ------------------------------------------------------------------
+
+    def start_threads(self, start_timeout: float) -> None:
+        """Start every lane's threads; wait until each has bound the device."""
+        started = []
+        for is_store in (True, False):
+            for lane in self.lanes[is_store]:
+                for k in range(len(lane.threads), self.threads_per_lane):
+                    ready = threading.Event()
+                    t = threading.Thread(target=lane.serve, args=(lane.staging(), ready),
+                                         name=f"kvoffload-{lane.direction}-{k}", daemon=True)
+                    # Counted and listed before start: stop() joins only started threads,
+                    # and a thread that ends decrements what was counted for it.
+                    lane.threads.append(t)
+                    with self.lock:
+                        self.alive += 1
+                    try:
+                        t.start()
+                    except BaseException:
+                        with self.lock:
+                            self.alive -= 1
+                        raise
+                    started.append((t, ready))
+        _LIVE.add(self)
+        # A thread that cannot set up its device state would leave its lane short
+        # (or empty, and jobs waiting forever): init fails instead.
+        deadline = time.monotonic() + start_timeout
+        for t, ready in started:
+            if not ready.wait(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"IO thread {t.name} did not start within {start_timeout} s")
+        if self.bind_errors:
+            err = self.bind_errors[0]
+            raise RuntimeError(f"an IO thread could not set up the device: {err!r}") from err
+
+    # -- jobs -------------------------------------------------------------------
+
+    def submit(self, blocks: list[int], slots: list[int], is_store: bool, event_idx: int, events_list: list,
+               wait_event: Any) -> None:
+        """Split a checked job into units and queue them; the event is appended last."""
+        if self.forked:
+            raise RuntimeError(
+                "kvoffload DiskBackend used in a fork()ed child: its IO threads live in the parent; "
+                "create a new DiskBackend in this process"
+            )
+        event = JobEvent()
+        lanes = self.lanes[is_store]
+        n = len(lanes)
+        per_lane: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for b, s in zip(blocks, slots):
+            per_lane[s % n].append((b, s))
+        job = Job(event, is_store, pending=0)
+        units = []
+        for lane, pairs in zip(lanes, per_lane):
+            for i in range(0, len(pairs), lane.rows):
+                chunk = pairs[i : i + lane.rows]
+                units.append((lane, Unit(job, [b for b, _ in chunk], [s for _, s in chunk],
+                                         [s // n for _, s in chunk], wait_event)))
+        job.pending = len(units)
+        with self.lock:
+            if self.fatal is not None:
+                raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
+            if self.closing:
+                raise RuntimeError("DiskBackend is shutting down")
+            job.job_id = next(self.job_ids)
+            # Registered before any unit is queued: whatever happens from here on
+            # (an interrupt, a shutdown in another thread), shutdown ends it.
+            self.open_jobs[job.job_id] = job
+        if not units:  # an empty job
+            self.end_job(job, failed=False)
+        queued = 0
+        try:
+            for lane, unit in units:
+                lane.queue.put(unit)
+                queued += 1
+            # Last: the worker never sees an event whose job is not fully queued.
+            events_list.append((event_idx, event))
+        except BaseException:
+            # Interrupted: the units never queued count as failed, so the job ends.
+            for lane, unit in units[queued:]:
+                lane.finish(unit, failed=set(range(len(unit.slots))))
+            raise
+
+    def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
+        with self.lock:
+            if is_store:
+                self.failed_store_slots.update(unit.slots[j] for j in failed)
+            else:
+                self.load_errors.update(unit.block_ids[j] for j in failed)
+
+    def end_job(self, job: Job, failed: bool, fatal: Optional[BaseException] = None) -> None:
+        # Errors are recorded before the event completes: when the worker sees the
+        # event, get_block_ids_with_load_errors() already holds the failed blocks.
+        error = fatal
+        if error is None and failed and not job.is_store and not self.report_load_errors:
+            error = UnreportedLoadError(
+                "kvoffload: a disk load failed and this caller does not collect load errors "
+                "(vLLM's own SimpleCPUOffloadWorker); stopping rather than computing on stale KV. "
+                "Run kvoffload through KvoffloadConnector (kv_connector_module_path \"kvoffload.vllm\") "
+                "to recompute failed loads instead"
+            )
+        if job.event.complete(ok=not failed, error=error):
+            with self.lock:
+                self.open_jobs.pop(job.job_id, None)
+
+    def fail_fatal(self, exc: BaseException, lane: Lane, unit: Unit) -> None:
+        """A device failure: recorded once, then every open job ends carrying it."""
+        err = BackendFatalError(f"{lane.direction} to {lane.file.path} failed on the device: {exc!r}")
+        err.__cause__ = exc
+        with self.lock:
+            if self.fatal is None:
+                self.fatal = err
+                logger.error("%s", err)
+            fatal = self.fatal
+        self.record_failures(lane.direction == "store", unit, set(range(len(unit.slots))))
+        with self.lock:
+            jobs = list(self.open_jobs.values())
+        for job in jobs:
+            self.end_job(job, failed=True, fatal=fatal)
+
+    def take(self, name: str) -> set[int]:
+        with self.lock:
+            out = getattr(self, name)
+            setattr(self, name, set())
+        return out
+
+    # -- stop -------------------------------------------------------------------
+
+    def begin_close(self) -> None:
+        """No job is accepted from now on; queued units end as failed without IO."""
+        with self.lock:
+            self.closing = True
+        with self.copy_cond:
+            self.copy_cond.notify_all()
+
+    def threads(self) -> list[threading.Thread]:
+        return [t for lanes in self.lanes.values() for lane in lanes for t in lane.threads]
+
+    def stop(self, deadline: float, clock) -> list[threading.Thread]:
+        """Stop the threads by ``deadline``; end every open job. Returns the threads still alive."""
+        self.begin_close()
+        threads = [t for t in self.threads() if t.ident is not None]
+        if not self.forked:
+            for lanes in self.lanes.values():
+                for lane in lanes:
+                    for _ in lane.threads:
+                        lane.queue.put(None)
+            for t in threads:
+                t.join(max(0.0, deadline - clock()))
+        alive = [t for t in threads if t.is_alive() and not self.forked]
+        with self.copy_cond:  # copies already under way finish before their jobs end
+            self.copy_cond.wait_for(lambda: self.copies == 0, max(0.0, deadline - clock()))
+        # Jobs still held by a hung thread end as failed now, so no poll waits forever;
+        # the thread checks `closing` before any later device copy.
+        with self.lock:
+            jobs = list(self.open_jobs.values())
+        for job in jobs:
+            self.end_job(job, failed=True)
+        return alive
+
+    def abandon(self) -> None:
+        """Shutdown gave up on a live thread: its last thread to end closes the run."""
+        with self.lock:
+            self.abandoned = True
+            last = self.alive == 0
+        if last:
+            self.close()
+        else:
+            _ABANDONED.add(self)
+
+    def thread_ended(self) -> None:
+        with self.lock:
+            self.alive -= 1
+            last = self.alive == 0 and self.abandoned
+        if last:
+            _ABANDONED.discard(self)
+            self.close()
+
+    def close(self) -> None:
+        """Release files and staging; only when no IO thread can touch them any more."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        _LIVE.discard(self)
+        if not self.forked:  # a forked child has no device context to unregister from
+            for buf in self.pinned:
+                try:
+                    self.dev.unpin(buf)
+                except Exception as e:  # noqa: BLE001 - best effort, and the next buffer still goes
+                    logger.warning("kvoffload: unpinning staging failed: %s", e)
+        for f in self.files:
+            f.close(self.osc, discard=not self.forked)
+
+
+def units_of(rows: Sequence[int], skip: frozenset[int] | set[int] = frozenset()):
+    """Maximal index ranges [j0, j1) of consecutive file slots, leaving out ``skip``.
+
+    One range is one pwritev/preadv: its staging rows are contiguous too.
+    """
+    j = 0
+    n = len(rows)
+    while j < n:
+        if j in skip:
+            j += 1
+            continue
+        j1 = j + 1
+        while j1 < n and j1 not in skip and rows[j1] == rows[j1 - 1] + 1:
+            j1 += 1
+        yield j, j1
+        j = j1

@@ -1,0 +1,59 @@
+"""The store path: device blocks -> pinned staging -> sealed -> ``pwritev`` into the slot file.
+
+A store thread takes one unit (a few blocks of one job), copies the blocks into its
+staging rows in one batched device copy ordered after ``wait_event`` (compute must
+have finished writing the KV, vLLM #45704), waits for it, seals each slot (encrypts
+or checksums it) and writes each run of consecutive file slots with one ``pwritev``.
+A slot's record is published only once its write succeeded whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvoffload.run import Lane, Unit, units_of
+
+
+class StoreLane(Lane):
+    direction = "store"
+    buffers_per_thread = 1
+
+    def loop(self, stream: Any, views: list) -> None:
+        run = self.run
+        rows, mv, event = views[0]
+        while True:
+            unit = self.queue.get()
+            if unit is None:
+                return
+            if run.closing or run.fatal is not None:
+                self.finish(unit, set(range(len(unit.slots))))
+                continue
+            try:
+                failed = self.store(stream, unit, rows, mv, event)
+            except BaseException as e:  # a device failure: fatal for the whole backend
+                run.fail_fatal(e, self, unit)
+                continue
+            self.finish(unit, failed)
+
+    def store(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any) -> set[int]:
+        run, f = self.run, self.file
+        n = len(unit.block_ids)
+        ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
+        # pwritev reads staging from the CPU side: the device copy must be done first.
+        ev.synchronize()
+        payload = run.layout.block_bytes
+        records = []
+        for j, slot in enumerate(unit.slots):
+            run.records[slot] = None  # invalid until this write is known good
+            records.append(run.seal.seal(slot, mv[j * f.slot_bytes :], payload))
+        failed: set[int] = set()
+        for j0, j1 in units_of(unit.local):
+            failed |= self.transfer(mv, unit, j0, j1)
+        good = [j for j in range(n) if j not in failed]
+        for j in good:
+            run.records[unit.slots[j]] = records[j]
+        with run.lock:
+            run.bytes_written += len(good) * f.slot_bytes
+        return failed
