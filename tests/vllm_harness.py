@@ -185,6 +185,8 @@ class EngineSpec:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
     extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config keys
+    # "KvoffloadConnector", or vLLM's own "SimpleCPUOffloadConnector" (its stock worker)
+    connector: str = "KvoffloadConnector"
 
 
 def slot_bytes(use_page_cache: bool) -> int:
@@ -198,7 +200,9 @@ class CpuEngine:
         cpu_streams(monkeypatch)
         self.spec = spec
         ktc = KVTransferConfig(
-            kv_connector="KvoffloadConnector", kv_connector_module_path="kvoffload.vllm", kv_role="kv_both",
+            kv_connector=spec.connector,
+            kv_connector_module_path="kvoffload.vllm" if spec.connector == "KvoffloadConnector" else None,
+            kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "kv_offload_backend": "disk", "disk_path": str(root / "kv"),
@@ -289,11 +293,12 @@ class CpuEngine:
         runner_out = self._execute(out)
         kv_out = runner_out.kv_connector_output
         worker_meta = kv_out.kv_connector_worker_meta if kv_out is not None else None
-        if worker_meta is not None:
-            self.failed_load_slots.update(worker_meta.failed_load_slots)
-            self.unloadable.update(worker_meta.failed_load_slots)
-            for slots in worker_meta.failed_store_events.values():
-                self.unloadable.update(slots)
+        # vLLM's own worker metadata (the stock worker) has no failure fields.
+        failed_loads = getattr(worker_meta, "failed_load_slots", ())
+        self.failed_load_slots.update(failed_loads)
+        self.unloadable.update(failed_loads)
+        for slots in getattr(worker_meta, "failed_store_events", {}).values():
+            self.unloadable.update(slots)
         self.scheduler.update_from_output(out, runner_out)
         self.steps += 1
 
