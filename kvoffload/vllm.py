@@ -340,7 +340,7 @@ def _build_connector_class() -> type:
                 super().update_connector_output(connector_output)
                 return
             if meta.failed_load_slots:
-                mgr.cpu_block_pool.evict_blocks(set(meta.failed_load_slots))
+                _drop_slots(mgr.cpu_block_pool, meta.failed_load_slots)
             for event, slots in meta.failed_store_events.items():
                 self._failed_stores.setdefault(event, set()).update(slots)
             super().update_connector_output(connector_output)
@@ -350,7 +350,7 @@ def _build_connector_class() -> type:
                     del self._store_reports[event]
                     failed = self._failed_stores.pop(event, None)
                     if failed:
-                        mgr.cpu_block_pool.evict_blocks(failed)
+                        _drop_slots(mgr.cpu_block_pool, failed)
 
         def shutdown(self) -> None:
             backend = self._disk_backend()
@@ -365,6 +365,22 @@ def _build_connector_class() -> type:
         cls.__qualname__ = cls.__name__
         _CLASSES[cls.__name__] = cls
     return KvoffloadConnector
+
+
+def _drop_slots(pool: Any, slots: Any) -> None:
+    """Take ``slots`` out of vLLM's offload index (a ``BlockPool``).
+
+    A slot still held (by its load) keeps its place until released, when vLLM
+    puts it, hashless, at the front of the free queue. A free one (its store was
+    just published) is moved there now, as vLLM's ``free_blocks`` would have put it
+    without the hash: reused before any cached block is evicted.
+    """
+    slots = sorted(set(slots))
+    pool.evict_blocks(set(slots))
+    free = [pool.blocks[s] for s in slots if pool.blocks[s].ref_cnt == 0]
+    for block in free:
+        pool.free_block_queue.remove(block)
+    pool.free_block_queue.prepend_n(free)
 
 
 def _with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
