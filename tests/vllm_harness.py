@@ -193,42 +193,48 @@ def slot_bytes(use_page_cache: bool) -> int:
     return BLOCK_BYTES if use_page_cache else -(-BLOCK_BYTES // 4096) * 4096
 
 
+def engine_configs(root: Path, spec: EngineSpec) -> tuple[VllmConfig, KVCacheConfig]:
+    """The engine's VllmConfig (disk tier under ``root``) and its GPU KVCacheConfig."""
+    ktc = KVTransferConfig(
+        kv_connector=spec.connector,
+        kv_connector_module_path="kvoffload.vllm" if spec.connector == "KvoffloadConnector" else None,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "kv_offload_backend": "disk", "disk_path": str(root / "kv"),
+            "disk_capacity_bytes": spec.disk_slots * slot_bytes(spec.use_page_cache),
+            "use_page_cache": spec.use_page_cache, **spec.extra,
+        },
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config(),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = spec.num_gpu_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=spec.num_gpu_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=spec.num_gpu_blocks * BLOCK_BYTES, layers=["layer.0"],
+                                        layer_stride=spec.num_gpu_blocks * BLOCK_BYTES,
+                                        block_stride=BLOCK_BYTES)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=ROW_BYTES // 8, dtype=torch.float32))],
+    )
+    return vllm_config, kv_cache_config
+
+
 class CpuEngine:
     """vLLM's Scheduler plus one worker's connector over a CPU "GPU" cache."""
 
     def __init__(self, root: Path, monkeypatch: Any, spec: EngineSpec) -> None:
         cpu_streams(monkeypatch)
         self.spec = spec
-        ktc = KVTransferConfig(
-            kv_connector=spec.connector,
-            kv_connector_module_path="kvoffload.vllm" if spec.connector == "KvoffloadConnector" else None,
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "kv_offload_backend": "disk", "disk_path": str(root / "kv"),
-                "disk_capacity_bytes": spec.disk_slots * slot_bytes(spec.use_page_cache),
-                "use_page_cache": spec.use_page_cache, **spec.extra,
-            },
-        )
-        self.vllm_config = VllmConfig(
-            model_config=model_config(),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-            kv_transfer_config=ktc,
-            device_config=DeviceConfig("cpu"),
-        )
-        self.vllm_config.cache_config.num_gpu_blocks = spec.num_gpu_blocks
-        kv_cache_config = KVCacheConfig(
-            num_blocks=spec.num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=spec.num_gpu_blocks * BLOCK_BYTES, layers=["layer.0"],
-                                            layer_stride=spec.num_gpu_blocks * BLOCK_BYTES,
-                                            block_stride=BLOCK_BYTES)],
-            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
-                block_size=BLOCK_SIZE, num_kv_heads=1, head_size=ROW_BYTES // 8, dtype=torch.float32))],
-        )
+        self.vllm_config, kv_cache_config = engine_configs(root, spec)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
