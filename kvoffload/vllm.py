@@ -124,6 +124,7 @@ def _build_connector_class() -> type:
         ) from e
     _check_interface(getattr(vllm, "__version__", "unknown"), KVConnectorBase_V1,
                      SimpleCPUOffloadWorker, SimpleCPUOffloadScheduler)
+    _log_through_vllm()
     from kvoffload.disk_backend import DiskBackend
 
     @dataclasses.dataclass
@@ -190,11 +191,6 @@ def _build_connector_class() -> type:
         def _init_disk_mode(self, unique_gpu_caches, total_bytes_per_block, device) -> None:
             assert self.disk_path is not None
             self.rank_path = rank_disk_path(self.disk_path, *_ranks(self.vllm_config))
-            logger.info(
-                "kvoffload: %d tensors, %d disk slots of %d B at %s",
-                len(unique_gpu_caches), self.num_cpu_blocks,
-                self.offload.slot_bytes(total_bytes_per_block), self.rank_path,
-            )
             backend = DiskBackend()
             backend.init(
                 unique_gpu_caches, device, self.load_stream, self.store_stream, self.rank_path,
@@ -203,6 +199,9 @@ def _build_connector_class() -> type:
                 **self.offload.backend_kwargs(),
             )
             self._backend = backend
+            logger.info("kvoffload is serving the disk offload tier: %d tensors, %d slots of %d B in %s",
+                        len(unique_gpu_caches), self.num_cpu_blocks,
+                        self.offload.slot_bytes(total_bytes_per_block), self.rank_path)
 
         def start_load_kv(self) -> None:
             md = self._connector_metadata
@@ -365,6 +364,23 @@ def _build_connector_class() -> type:
         cls.__qualname__ = cls.__name__
         _CLASSES[cls.__name__] = cls
     return KvoffloadConnector
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands kvoffload's records to vLLM's logger, the only one vLLM configures: with
+    its handler, format and level. Without it kvoffload's INFO lines (the start-up line
+    operators look for) would be dropped and its warnings printed bare."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _log_through_vllm() -> None:
+    ours = logging.getLogger("kvoffload")
+    if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        ours.addHandler(_ToVllmLogger())
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 def _drop_slots(pool: Any, slots: Any) -> None:
