@@ -272,3 +272,12 @@ def test_two_disk_paths_stripe_the_slots(cache_dir, primary) -> None:
         assert [os.fstat(f.fd).st_size for f in t.backend.files] == [4 * ROW, 4 * ROW]
     finally:
         t.close()
+
+
+def test_importing_the_tier_module_imports_no_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvoffload.vllm_tier as t; assert 'vllm' not in sys.modules; print(t.TIER_TYPE)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "KvoffloadTier", out.stderr
