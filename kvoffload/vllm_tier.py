@@ -190,7 +190,7 @@ class SlotTier:
         Keys already on disk (or in flight) are skipped; without a free or evictable
         slot, only a prefix of the new keys is stored (``SlotPool.prepare_store``).
         """
-        chunk_of = self._chunk_map(keys, chunk_ids)
+        chunk_of = self._chunk_map(job_id, keys, chunk_ids)
         placed = self.pool.prepare_store(list(keys))
         new = [k for k, _ in placed]
         self._launch(_Job(job_id, True, JobEvent(), new, [chunk_of[k] for k in new], [s for _, s in placed]))
@@ -201,7 +201,7 @@ class SlotTier:
         A key evicted since its lookup (a store in the same scheduler step took its
         slot) fails at once: vLLM then recomputes it.
         """
-        chunk_of = self._chunk_map(keys, chunk_ids)
+        chunk_of = self._chunk_map(job_id, keys, chunk_ids)
         hit = [self.pool.lookup((k,)) == 1 for k in keys]
         present = [k for k, h in zip(keys, hit) if h]
         missing = tuple(k for k, h in zip(keys, hit) if not h)
@@ -240,7 +240,10 @@ class SlotTier:
             # primary) until it ends; it makes no copy into the primary after that.
             logger.warning("kvoffload tier: an IO thread outlived shutdown; its view of the primary stays")
 
-    def _chunk_map(self, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> dict[Hashable, int]:
+    def _chunk_map(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> dict[Hashable, int]:
+        """Each key's primary row; a malformed job is refused before the pool is touched."""
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
         chunks = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else list(chunk_ids)
         if len(chunks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(chunks)} chunk ids")
@@ -250,8 +253,6 @@ class SlotTier:
         return chunk_of
 
     def _launch(self, job: _Job) -> None:
-        if job.job_id in self._jobs:
-            raise ValueError(f"job {job.job_id} is already in flight")
         events: list = []
         src, dst = (job.chunks, job.slots) if job.is_store else (job.slots, job.chunks)
         try:
