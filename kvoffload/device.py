@@ -191,10 +191,6 @@ class DoneEvent:
 DONE = DoneEvent()
 
 
-def _long(ids: Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(list(ids), dtype=torch.long)
-
-
 class CpuDevice:
     """CPU tensors stand in for device memory; copies are synchronous."""
 
@@ -213,12 +209,36 @@ class CpuDevice:
     def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
         if wait_event is not None:
             wait_event.synchronize()
-        copy_rows(layout, _long(block_ids), host, _long(rows), to_host=True)
+        _copy_cpu(layout, block_ids, host, rows, to_host=True)
         return DONE
 
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
-        copy_rows(layout, _long(block_ids), host, _long(rows), to_host=False)
+        _copy_cpu(layout, block_ids, host, rows, to_host=False)
         return DONE
+
+
+def _copy_cpu(layout: BlockLayout, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int],
+              to_host: bool) -> None:
+    """``copy_rows`` for CPU tensors, through numpy indexing.
+
+    torch's int8 ``index_copy_`` copies element by element: 0.4 GiB/s for 2 MiB rows on
+    the 2-core VM, where numpy's indexing moves 7-18 GiB/s. On the CPU device (vLLM's
+    secondary tier, ``kvoffload.vllm_tier``) every copy was bound by it.
+    """
+    buf = host.view(torch.int8).numpy()
+    ids = np.asarray(block_ids, dtype=np.int64)
+    r = np.asarray(rows, dtype=np.int64)
+    # Rows 0..n-1 (every store, and a load with no failed slot) are a slice: no temporary.
+    dense = len(r) == 0 or (r[0] == 0 and bool((np.diff(r) == 1).all()))
+    for cache, off in zip(layout.caches, layout.offsets):
+        c = cache.numpy()
+        span = slice(off, off + c.shape[1])
+        if to_host and dense:
+            np.take(c, ids, axis=0, out=buf[: len(r), span], mode="clip")  # ids are checked at launch
+        elif to_host:
+            buf[r, span] = c[ids]
+        else:
+            c[ids] = buf[: len(r), span] if dense else buf[r, span]
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -1,0 +1,299 @@
+"""`python -m kvoffload.bench.tier`: kvoffload's secondary tier beside vLLM's ``fs`` tier.
+
+Both tiers are built the way ``vllm serve`` builds them, by vLLM 0.33's
+``TieringOffloadingSpec.get_manager()`` (a CPU primary in shared memory and the tier from
+its ``secondary_tiers`` entry), on the same directories, and driven through the same
+``SecondaryTierManager`` calls the tiering manager makes: ``submit_store`` of every
+chunk at once, then ``submit_load`` in waves the primary can hold, polling
+``get_finished_jobs`` until all are done. Every loaded byte is compared with what was
+stored. Per tier: store and load GiB/s, process CPU seconds per GiB (all threads) and
+the files it created; beside them the raw O_DIRECT ceiling of the same directories at
+the chunk size (best queue depth). The table (or ``--json``) comes last.
+
+vLLM's ``fs`` tier takes one ``root_dir``: with several ``--dir`` it runs on the first
+one, and the row ``fs sharded`` gives it one ``fs`` tier per directory with chunks split
+between them by the bench (vLLM itself would send every chunk to every tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from kvoffload.bench.ceilings import RawFile, Timed, sweep
+
+GiB = 2**30
+MiB = 2**20
+POLL_S = 0.0005  # between get_finished_jobs calls while jobs run
+
+
+@dataclass
+class TierRun:
+    """One tier's store and load of the same chunks."""
+
+    name: str
+    dirs: list[str]
+    store: Optional[Timed] = None
+    load: Optional[Timed] = None
+    files: int = 0
+    failed_jobs: int = 0
+    verified: Optional[bool] = None
+    info: dict = field(default_factory=dict)
+
+
+def _vllm() -> Any:
+    """vLLM's tiering classes, or exit with what to install."""
+    try:
+        from vllm.v1.kv_offload import base, config
+        from vllm.v1.kv_offload.tiering import base as tiering
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+    except ImportError as e:
+        raise SystemExit(f"python -m kvoffload.bench.tier needs vLLM 0.33 importable (its fs tier is the "
+                         f"baseline): {e}") from e
+    return base, config, tiering, TieringOffloadingSpec
+
+
+def build_manager(tier_entries: list[dict], chunk_bytes: int, primary_chunks: int) -> Any:
+    """A ``TieringOffloadingManager`` as ``vllm serve`` would build it: one rank, one
+    chunk a block of ``chunk_bytes``, ``primary_chunks`` chunks of CPU primary."""
+    base, config, _, spec_cls = _vllm()
+    cfg = config.OffloadingConfig(
+        groups=(config.OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": primary_chunks * chunk_bytes, "secondary_tiers": tier_entries},
+        engine_id=f"kvoffload-tier-bench-{uuid.uuid4().hex[:12]}",
+        model=config.OffloadingModelConfig(name="kvoffload-tier-bench", dtype="bfloat16"),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=config.OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+            data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False),
+    )
+    return spec_cls(cfg).get_manager()
+
+
+class Driver:
+    """Submits jobs to one or more tiers (chunks split round-robin) and waits for them."""
+
+    def __init__(self, tiers: list, chunk_bytes: int) -> None:
+        base, _, tiering, _ = _vllm()
+        self.tiers, self.chunk_bytes = tiers, chunk_bytes
+        self._job, self._ctx, self._key = tiering.TransferJob, base.ReqContext(req_id="bench"), base.make_offload_key
+        self._next_id = 0
+        self.failed = 0
+
+    def key(self, i: int) -> Any:
+        return self._key(i.to_bytes(8, "big"), 0)
+
+    def run(self, keys: list[int], chunks: list[int], is_store: bool, per_job: int) -> None:
+        """Submit ``keys`` (with primary rows ``chunks``) in jobs of ``per_job``; wait for all."""
+        pending: dict[int, Any] = {}
+        for t, tier in enumerate(self.tiers):
+            mine = list(range(t, len(keys), len(self.tiers)))
+            for s in range(0, len(mine), per_job):
+                part = mine[s:s + per_job]
+                job = self._job(job_id=self._next_id, keys=[self.key(keys[i]) for i in part],
+                                chunk_ids=np.array([chunks[i] for i in part], dtype=np.int64),
+                                is_promotion=not is_store, req_context=self._ctx)
+                self._next_id += 1
+                pending[job.job_id] = tier
+                (tier.submit_store if is_store else tier.submit_load)(job)
+        while pending:
+            got = False
+            for tier in self.tiers:
+                for r in tier.get_finished_jobs():
+                    del pending[r.job_id]
+                    self.failed += not r.success
+                    got = True
+            if not got:
+                time.sleep(POLL_S)
+
+
+def timed(fn) -> Timed:
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return Timed(0, time.perf_counter() - t0, time.process_time() - c0)
+
+
+def count_files(dirs: list[str]) -> int:
+    return sum(len(files) for d in dirs for _, _, files in os.walk(d))
+
+
+def drop_caches() -> str:
+    """Flush and drop the page cache (root only); say what happened."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return "ok"
+    except OSError as e:
+        return f"not possible: {e.strerror}"
+
+
+def run_tier(name: str, entries: list[dict], workdirs: list[str], a: argparse.Namespace, n: int,
+             primary_chunks: int, chunk_bytes: int, seed: int) -> TierRun:
+    """Store ``n`` chunks through the tier(s), drop caches, load them back in waves; check."""
+    run = TierRun(name, workdirs)
+    manager = build_manager(entries, chunk_bytes, primary_chunks)
+    try:
+        _store_and_load(run, manager, a, n, primary_chunks, chunk_bytes, seed)
+    finally:
+        manager.shutdown()
+    return run
+
+
+def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, primary_chunks: int,
+                    chunk_bytes: int, seed: int) -> None:
+    # The primary's rows as numpy (a view: gone when this returns, before the manager
+    # shuts down and unmaps the primary).
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+    assert rows.shape == (primary_chunks, chunk_bytes), rows.shape
+    rows[:] = np.random.default_rng(seed).integers(0, 256, rows.shape, dtype=np.uint8)
+    want = rows.copy()
+    src = [i % primary_chunks for i in range(n)]
+    drv = Driver(list(manager.secondary_tiers), chunk_bytes)
+    run.store = timed(lambda: drv.run(list(range(n)), src, True, a.job_chunks))
+    run.store.nbytes = n * chunk_bytes
+    run.files = count_files(run.dirs)
+    run.info["drop_caches"] = drop_caches()
+    run.load = Timed(n * chunk_bytes, 0.0, 0.0)
+    ok = True
+    for w in range(0, n, primary_chunks):  # a wave fills the primary at most once
+        keys = list(range(w, min(n, w + primary_chunks)))
+        rows[: len(keys)] = 0
+        t = timed(lambda: drv.run(keys, list(range(len(keys))), False, a.job_chunks))
+        run.load.seconds += t.seconds
+        run.load.cpu_seconds += t.cpu_seconds
+        ok = ok and bool(np.array_equal(rows[: len(keys)], want[[src[k] for k in keys]]))
+    run.failed_jobs = drv.failed
+    run.verified = ok and drv.failed == 0
+
+
+def raw_ceilings(dirs: list[str], chunk_bytes: int, nbytes: int, seconds: float) -> dict[str, Timed]:
+    """Raw O_DIRECT write and read at the chunk size over all ``dirs`` at once (best queue depth)."""
+    per_dir = max(chunk_bytes * 16, nbytes // len(dirs))
+    files = [RawFile(d, per_dir) for d in dirs]
+    try:
+        for f in files:
+            f.fill()
+        return {kind: sweep(files, chunk_bytes, kind, seconds) for kind in ("direct-write", "direct-read")}
+    finally:
+        for f in files:
+            f.close()
+
+
+def bench(a: argparse.Namespace) -> dict:
+    chunk_bytes = int(a.chunk_mib * MiB)
+    if chunk_bytes <= 0 or chunk_bytes % 4096:
+        raise SystemExit(f"--chunk-mib {a.chunk_mib}: a chunk must be a positive multiple of 4 KiB")
+    n = max(1, int(a.gib * GiB) // chunk_bytes)
+    primary_chunks = max(1, min(n, int(a.primary_gib * GiB) // chunk_bytes))
+    dirs = [os.path.abspath(d) for d in a.dir]
+    out: dict = {"dirs": dirs, "chunk_bytes": chunk_bytes, "chunks": n, "primary_chunks": primary_chunks,
+                 "job_chunks": a.job_chunks, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
+    if not a.no_raw:
+        raw = raw_ceilings(dirs, chunk_bytes, min(n * chunk_bytes, GiB), a.raw_seconds)
+        out["raw"] = {k: {"gib_s": round(t.gib_s, 3), "cpu_s_per_gib": round(t.cpu_seconds / (t.nbytes / GiB), 3),
+                          "qd": t.detail["qd"]} for k, t in raw.items()}
+        print(f"raw over {len(dirs)} dir(s): " + ", ".join(f"{k} {t.gib_s:.2f} GiB/s (qd {t.detail['qd']})"
+                                                          for k, t in raw.items()), file=sys.stderr)
+    cases = [("kvoffload", len(dirs)), ("fs", 1)] + ([("fs sharded", len(dirs))] if len(dirs) > 1 else [])
+    for name, ndirs in cases:
+        if name.split()[0] not in a.tiers.split(","):
+            continue
+        workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
+        try:
+            if name == "kvoffload":
+                entry = {"type": "KvoffloadTier", "module_path": "kvoffload.vllm_tier",
+                         "disk_paths": [os.path.join(w, "kv.bin") for w in workdirs],
+                         "disk_capacity_bytes": n * chunk_bytes}
+                if a.io_threads:
+                    entry["io_threads"] = a.io_threads
+                entries = [entry]
+            else:
+                entries = [{"type": "fs", "root_dir": w, "n_read_threads": a.fs_threads,
+                            "n_write_threads": a.fs_threads} for w in workdirs]
+            r = run_tier(name, entries, workdirs, a, n, primary_chunks, chunk_bytes, a.seed)
+        finally:
+            for w in workdirs:
+                shutil.rmtree(w, ignore_errors=True)
+        print(f"{name}: store {r.store.gib_s:.2f} GiB/s, load {r.load.gib_s:.2f} GiB/s, files {r.files}, "
+              f"{'ok' if r.verified else 'FAIL'}", file=sys.stderr)
+        raw_read = out.get("raw", {}).get("direct-read", {}).get("gib_s")
+        out["tiers"].append({
+            "tier": name, "dirs": len(workdirs),
+            "store_gib_s": round(r.store.gib_s, 3), "load_gib_s": round(r.load.gib_s, 3),
+            "store_cpu_s_per_gib": round(r.store.cpu_seconds / (r.store.nbytes / GiB), 3),
+            "load_cpu_s_per_gib": round(r.load.cpu_seconds / (r.load.nbytes / GiB), 3),
+            "load_of_raw_read": round(r.load.gib_s / raw_read, 3) if raw_read else None,
+            "files": r.files, "failed_jobs": r.failed_jobs, "verified": r.verified, **r.info,
+        })
+    by = {t["tier"]: t for t in out["tiers"]}
+    if "kvoffload" in by and "fs" in by and by["fs"]["load_gib_s"]:
+        out["kvoffload_load_over_fs"] = round(by["kvoffload"]["load_gib_s"] / by["fs"]["load_gib_s"], 2)
+    out["ok"] = all(t["verified"] for t in out["tiers"])
+    return out
+
+
+def table(out: dict) -> str:
+    gib = out["chunks"] * out["chunk_bytes"] / GiB
+    lines = [f"tier bench: {gib:.2f} GiB in {out['chunks']} chunks of {out['chunk_bytes'] // 1024} KiB, "
+             f"{out['job_chunks']} chunks a job, primary {out['primary_chunks']} chunks; dirs {', '.join(out['dirs'])}"]
+    head = (f"{'tier':<12} {'dirs':>4} {'store GiB/s':>11} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
+            f"{'load CPU s/GiB':>14} {'load/raw':>8} {'files':>7}  check")
+    lines += [head, "-" * len(head)]
+    for k, r in out.get("raw", {}).items():
+        rate = f"{r['gib_s']:11.2f} {'':>10}" if k == "direct-write" else f"{'':>11} {r['gib_s']:10.2f}"
+        lines.append(f"{'raw ' + k.split('-')[1]:<12} {len(out['dirs']):>4} {rate} {'':>15} {'':>14} {'':>8} "
+                     f"{'':>7}  qd {r['qd']}")
+    for t in out["tiers"]:
+        ratio = "" if t["load_of_raw_read"] is None else f"{t['load_of_raw_read']:.2f}"
+        lines.append(f"{t['tier']:<12} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['load_gib_s']:10.2f} "
+                     f"{t['store_cpu_s_per_gib']:15.3f} {t['load_cpu_s_per_gib']:14.3f} {ratio:>8} {t['files']:>7}  "
+                     f"{'ok' if t['verified'] else 'FAIL'}")
+    if "kvoffload_load_over_fs" in out:
+        lines.append(f"kvoffload load / fs load: {out['kvoffload_load_over_fs']:.2f}x")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvoffload.bench.tier", description=__doc__.splitlines()[0])
+    p.add_argument("--dir", action="append", required=True,
+                   help="directory for the tiers' files (repeat: kvoffload stripes over all, fs takes the first)")
+    p.add_argument("--gib", type=float, default=4.0, help="GiB stored and loaded per tier (4)")
+    p.add_argument("--chunk-mib", type=float, default=2.0, help="MiB per chunk, one primary row (2: Llama-3-8B, "
+                   "16 tokens)")
+    p.add_argument("--job-chunks", type=int, default=16, help="chunks per submit_store / submit_load job (16)")
+    p.add_argument("--primary-gib", type=float, default=1.0, help="GiB of CPU primary; loads go in waves of it (1)")
+    p.add_argument("--tiers", default="kvoffload,fs", help="comma list of kvoffload, fs")
+    p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
+    p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
+    p.add_argument("--raw-seconds", type=float, default=0.5, help="seconds per raw queue depth (0.5)")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT ceilings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.job_chunks < 1 or a.gib <= 0 or a.primary_gib <= 0:
+        raise SystemExit("--job-chunks, --gib and --primary-gib must be positive")
+    out = bench(a)
+    print(json.dumps(out, indent=1) if a.json else table(out))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

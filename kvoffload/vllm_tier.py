@@ -1,0 +1,357 @@
+"""kvoffload as the disk tier under vLLM's ``OffloadingConnector`` (CPU primary + disk).
+
+vLLM 0.33's ``TieringOffloadingSpec`` keeps hot blocks in a CPU primary tier and cascades
+every stored chunk to its secondary tiers; a chunk missing from the CPU tier is promoted
+back from a secondary one. This module is such a secondary tier, loaded out of tree::
+
+    "secondary_tiers": [{"type": "KvoffloadTier", "module_path": "kvoffload.vllm_tier",
+                         "disk_path": "/mnt/nvme/kv-tier.bin", "disk_capacity_bytes": "1TiB"}]
+
+Data moves between the CPU primary's memory and kvoffload's slot files through
+``DiskBackend`` running on the CPU device: the primary's rows are the "device" blocks
+(one chunk per row), so the tier keeps the backend's guarantees (preallocated file,
+AES-GCM per slot, integrity on every load, per-slot failures, bounded shutdown, the
+``OsCalls`` seam for faults). Which slot holds which chunk is kvsim's ``SlotPool``,
+the same LRU the simulator models.
+
+Every tier method runs in the scheduler process: ``submit_*`` only queue IO,
+``get_finished_jobs`` only polls completed ``JobEvent``s. ``SlotTier`` is all of it
+without vLLM (tests run it in CI); ``KvoffloadTier``, the vLLM class, is built on
+first lookup (module ``__getattr__``), so importing this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, _bool, _int, num_slots, parse_size
+from kvoffload.disk_backend import DEFAULT_IO_UNIT_BYTES, DiskBackend
+from kvoffload.jobs import JobEvent
+from kvoffload.os_calls import OsCalls
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
+from kvsim.slot_pool import SlotPool
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = "0.33.x"
+TIER_TYPE = "KvoffloadTier"
+LOCALITIES = ("LOCAL", "REMOTE")
+# Keys of a secondary_tiers entry that vLLM's factory consumes itself.
+_FACTORY_KEYS = ("type", "module_path", "backpressure")
+_KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
+         "io_threads", "io_unit_bytes", "named_file", "locality")
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == TIER_TYPE:
+        if not _CLASSES:
+            _CLASSES[TIER_TYPE] = _build_tier_class()
+        return _CLASSES[TIER_TYPE]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One ``secondary_tiers`` entry, checked like ``kv_connector_extra_config``."""
+
+    disk_paths: tuple[str, ...]
+    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY_BYTES  # all paths together
+    use_page_cache: bool = False
+    encrypt: bool = True
+    checksums: bool = True
+    io_threads: Optional[int] = None  # per lane; None: the backend's default
+    io_unit_bytes: int = DEFAULT_IO_UNIT_BYTES
+    named_file: bool = False
+    locality: Optional[str] = None
+
+    @classmethod
+    def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
+        """Parse a tier entry (with or without the keys vLLM's factory pops); a bad key or
+        value is a ``ValueError`` naming it."""
+        given = {k: v for k, v in tier.items() if k not in _FACTORY_KEYS}
+        unknown = sorted(k for k in given if k not in _KEYS)
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, _KEYS, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"{TIER_TYPE}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(_KEYS)}")
+        if ("disk_path" in given) == ("disk_paths" in given):
+            raise ValueError(f"{TIER_TYPE}: set exactly one of disk_path (a file path on the offload disk) "
+                             "or disk_paths (a list of them, one file per disk)")
+        paths = [given["disk_path"]] if "disk_path" in given else given["disk_paths"]
+        if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) and p for p in paths):
+            key = "disk_path" if "disk_path" in given else "disk_paths"
+            raise ValueError(f"{TIER_TYPE}: {key}={given[key]!r}: expected a non-empty file path"
+                             + (" or a non-empty list of them" if key == "disk_paths" else ""))
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"{TIER_TYPE}: disk_paths={paths!r} names a path twice")
+        kw: dict[str, Any] = {"disk_paths": tuple(paths)}
+        for key in ("disk_capacity_bytes", "io_unit_bytes"):
+            if key in given:
+                kw[key] = parse_size(key, given[key])
+                if kw[key] <= 0:
+                    raise ValueError(f"{key}={given[key]!r}: must be > 0")
+        if "io_threads" in given:
+            kw["io_threads"] = _int("io_threads", given["io_threads"], 1)
+        for key in ("use_page_cache", "encrypt", "checksums", "named_file"):
+            if key in given:
+                kw[key] = _bool(key, given[key])
+        if "locality" in given:
+            if given["locality"] not in LOCALITIES:
+                raise ValueError(f"locality={given['locality']!r}: expected one of {LOCALITIES}")
+            kw["locality"] = given["locality"]
+        return cls(**kw)
+
+    def slot_bytes(self, block_bytes: int) -> int:
+        """Bytes one chunk takes in the file (padded to the direct-IO alignment)."""
+        return slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, self.use_page_cache)
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    """A job the tier finished: what ``get_finished_jobs`` reports to vLLM."""
+
+    job_id: int
+    success: bool
+    # Loads that failed in part: the keys that did load (None: all share ``success``).
+    successful_keys: Optional[tuple[Hashable, ...]]
+    transfer_bytes: int
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_store: bool
+    event: JobEvent
+    keys: list[Hashable]  # the keys with IO (stores: newly placed; loads: present)
+    chunks: list[int]  # primary rows, parallel to keys
+    slots: list[int]  # tier slots, parallel to keys
+    missing: tuple[Hashable, ...] = ()  # loads: keys gone before the job was submitted
+
+
+class SlotTier:
+    """Chunks of the CPU primary on kvoffload slot files: lookup, store, load, poll.
+
+    ``primary`` is the primary tier's memory, ``[num_chunks, bytes_per_chunk]`` (vLLM's
+    ``primary_kv_view``). Keys are any hashables (vLLM's ``OffloadKey``).
+    """
+
+    def __init__(self, primary: memoryview, cfg: TierConfig, *, os_calls: Optional[OsCalls] = None,
+                 join_timeout: Optional[float] = None) -> None:
+        if primary.ndim < 1 or primary.strides is None or not primary.c_contiguous:
+            raise ValueError(f"{TIER_TYPE}: the primary view must be C-contiguous [num_chunks, bytes], "
+                             f"got shape {primary.shape}, strides {primary.strides}")
+        self.block_bytes = primary.strides[0]
+        # A byte view cast from the primary's, so vLLM can release its own view at shutdown.
+        self._flat = primary.cast("B")
+        rows = torch.frombuffer(self._flat, dtype=torch.int8).view(-1, self.block_bytes)
+        slots = num_slots(cfg.disk_capacity_bytes, cfg.slot_bytes(self.block_bytes))
+        self.cfg = cfg
+        self.pool = SlotPool(slots)
+        self.backend = DiskBackend()
+        extra = {"join_timeout": join_timeout} if join_timeout is not None else {}
+        self.backend.init(
+            {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
+            use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
+            encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
+            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=os_calls, **extra,
+        )
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[FinishedJob] = []  # ended without IO, not yet reported
+        # Failures the backend reported for jobs not yet seen done (kept until they are).
+        self._load_errors: set[int] = set()
+        self._failed_slots: set[int] = set()
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def lookup(self, key: Hashable) -> bool:
+        """Whether ``key`` is on disk and loadable; a hit becomes most recently used."""
+        if self.pool.lookup((key,)) != 1:
+            return False
+        self.pool.touch((key,))
+        return True
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        self.pool.touch(keys)
+
+    def submit_store(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> None:
+        """Queue primary rows ``chunk_ids`` to disk as ``keys``; never blocks.
+
+        Keys already on disk (or in flight) are skipped; without a free or evictable
+        slot, only a prefix of the new keys is stored (``SlotPool.prepare_store``).
+        """
+        chunk_of = self._chunk_map(job_id, keys, chunk_ids)
+        placed = self.pool.prepare_store(list(keys))
+        new = [k for k, _ in placed]
+        self._launch(_Job(job_id, True, JobEvent(), new, [chunk_of[k] for k in new], [s for _, s in placed]))
+
+    def submit_load(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> None:
+        """Queue ``keys`` from disk into primary rows ``chunk_ids``; never blocks.
+
+        A key evicted since its lookup (a store in the same scheduler step took its
+        slot) fails at once: vLLM then recomputes it.
+        """
+        chunk_of = self._chunk_map(job_id, keys, chunk_ids)
+        hit = [self.pool.lookup((k,)) == 1 for k in keys]
+        present = [k for k, h in zip(keys, hit) if h]
+        missing = tuple(k for k, h in zip(keys, hit) if not h)
+        slots = self.pool.prepare_load(present)
+        self._launch(_Job(job_id, False, JobEvent(), present, [chunk_of[k] for k in present], slots, missing))
+
+    def poll(self) -> list[FinishedJob]:
+        """Jobs finished since the last call; never blocks."""
+        done = [job for job in self._jobs.values() if job.event.done]
+        if done:
+            # Read after the events: a job's failures are recorded before it completes.
+            self._load_errors |= self.backend.get_block_ids_with_load_errors()
+            self._failed_slots |= self.backend.get_failed_store_slots()
+        out, self._finished = self._finished, []
+        for job in done:
+            del self._jobs[job.job_id]
+            out.append(self._resolve(job))
+        return out
+
+    @property
+    def pending(self) -> bool:
+        """Whether a job is in flight or finished but not yet polled."""
+        return bool(self._jobs or self._finished)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted job ended (results stay for ``poll``); whether all did."""
+        return all(job.event.wait(timeout) for job in list(self._jobs.values()))
+
+    def close(self) -> None:
+        """Stop the IO (queued jobs end failed), free the files; idempotent."""
+        self.backend.shutdown()
+        try:
+            self._flat.release()
+        except BufferError:
+            # An IO thread hung past shutdown keeps the run (and its view of the
+            # primary) until it ends; it makes no copy into the primary after that.
+            logger.warning("kvoffload tier: an IO thread outlived shutdown; its view of the primary stays")
+
+    def _chunk_map(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> dict[Hashable, int]:
+        """Each key's primary row; a malformed job is refused before the pool is touched."""
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
+        chunks = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else list(chunk_ids)
+        if len(chunks) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(chunks)} chunk ids")
+        chunk_of = dict(zip(keys, chunks))
+        if len(chunk_of) != len(chunks):
+            raise ValueError("a key appears twice in one job")
+        return chunk_of
+
+    def _launch(self, job: _Job) -> None:
+        events: list = []
+        src, dst = (job.chunks, job.slots) if job.is_store else (job.slots, job.chunks)
+        try:
+            self.backend.launch_copy(src, dst, job.is_store, job.job_id, events)
+        except Exception:
+            # A dead or closed backend: the job fails (its keys become misses); the
+            # scheduler must not see an exception from a tier call.
+            logger.exception("kvoffload tier: job %d could not be queued; failing it", job.job_id)
+            job.event.complete(False)
+            self._finished.append(self._resolve(job))
+            return
+        job.event = events[-1][1]
+        self._jobs[job.job_id] = job
+
+    def _resolve(self, job: _Job) -> FinishedJob:
+        """Publish or drop the job's keys in the pool and say what vLLM should keep."""
+        failed = self._failed_slots if job.is_store else self._load_errors
+        ids = job.slots if job.is_store else job.chunks
+        bad = {i for i in ids if i in failed}
+        failed -= bad
+        if not job.event.ok and not bad:
+            bad = set(ids)  # ended without per-slot detail (shutdown, device failure): all failed
+        good_keys = [k for k, i in zip(job.keys, ids) if i not in bad]
+        bad_keys = [k for k, i in zip(job.keys, ids) if i in bad]
+        complete = self.pool.complete_store if job.is_store else self.pool.complete_load
+        complete(good_keys, True)
+        complete(bad_keys, False)  # a failed load drops the key: the slot holds bad bytes
+        success = not bad_keys and not job.missing
+        if bad_keys:
+            logger.warning("kvoffload tier: %s job %d: %d of %d chunk(s) failed", "store" if job.is_store else
+                           "load", job.job_id, len(bad_keys), len(job.keys) + len(job.missing))
+        partial = None if success or job.is_store or not good_keys else tuple(good_keys)
+        return FinishedJob(job.job_id, success, partial, len(good_keys) * self.block_bytes)
+
+
+def _check_interface(version: str, base: Any, job_result: Any) -> None:
+    """Feature-detect what the tier implements; raise ImportError naming what differs."""
+    problems = [f"SecondaryTierManager.{m} is missing" for m in
+                ("lookup", "submit_store", "submit_load", "get_finished_jobs", "drain_jobs", "on_new_request",
+                 "has_pending_work", "touch", "shutdown") if not hasattr(base, m)]
+    fields = getattr(job_result, "__dataclass_fields__", {})
+    problems += [f"JobResult has no {f!r} field" for f in ("job_id", "success", "successful_keys", "transfer_bytes")
+                 if f not in fields]
+    if problems:
+        raise ImportError(f"kvoffload.vllm_tier supports vLLM {SUPPORTED_VLLM}; the installed vLLM {version} "
+                          f"has a different tiering interface: {'; '.join(problems)}. Pin vllm==0.33.*.")
+
+
+def _build_tier_class() -> type:
+    try:
+        import vllm
+        from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOffloadingContext
+        from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+    except ImportError as e:
+        raise ImportError(f"kvoffload.vllm_tier needs vLLM {SUPPORTED_VLLM} (pip install 'vllm==0.33.*'): {e}") from e
+    _check_interface(getattr(vllm, "__version__", "unknown"), SecondaryTierManager, JobResult)
+
+    class KvoffloadTier(SecondaryTierManager):
+        """kvoffload's slot files as a vLLM secondary tier (``SlotTier`` behind vLLM's interface)."""
+
+        medium = Medium.STORAGE
+
+        def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                     backpressure_detector: Any = None, *, os_calls: Optional[OsCalls] = None,
+                     **tier_config: Any) -> None:
+            super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+            cfg = TierConfig.from_tier_config(tier_config)
+            self.locality = Locality(cfg.locality) if cfg.locality else None
+            self.slot_tier = SlotTier(primary_kv_view, cfg, os_calls=os_calls)
+            logger.info("kvoffload tier %r: %d slots of %d B over %s", tier_type, self.slot_tier.num_slots,
+                        self.block_size_bytes, ", ".join(cfg.disk_paths))
+
+        def lookup(self, key: Any, req_context: Any) -> Any:
+            return LookupResult.HIT if self.slot_tier.lookup(key) else LookupResult.MISS
+
+        def touch(self, keys: Any, req_context: Any) -> None:
+            self.slot_tier.touch(list(keys))
+
+        def submit_store(self, job_metadata: Any) -> None:
+            self.slot_tier.submit_store(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+
+        def submit_load(self, job_metadata: Any) -> None:
+            self.slot_tier.submit_load(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+
+        def get_finished_jobs(self) -> list:
+            return [JobResult(job_id=f.job_id, success=f.success, successful_keys=f.successful_keys,
+                              transfer_bytes=f.transfer_bytes) for f in self.slot_tier.poll()]
+
+        def has_pending_work(self) -> bool:
+            return self.slot_tier.pending
+
+        def on_new_request(self, req_context: Any) -> Any:
+            return RequestOffloadingContext()
+
+        def drain_jobs(self) -> None:
+            self.slot_tier.drain()
+
+        def shutdown(self) -> None:
+            self.slot_tier.close()
+
+    KvoffloadTier.__qualname__ = TIER_TYPE
+    return KvoffloadTier
