@@ -74,8 +74,7 @@ class _Copy:
         return [(base + r * row_bytes, row_bytes) for r in self.rows]
 
     def move_bytes(self) -> None:
-        copy_rows(self.layout, torch.as_tensor(self.block_ids, dtype=torch.long), self.host,
-                  torch.as_tensor(self.rows, dtype=torch.long), self.to_host)
+        copy_rows(self.layout, self.block_ids, self.host, self.rows, self.to_host)
 
 
 class SimDevice:

@@ -93,14 +93,17 @@ def alloc_host(nbytes: int, alignment: int) -> torch.Tensor:
     return backing[skew : skew + nbytes]
 
 
-def copy_rows(layout: BlockLayout, block_ids: torch.Tensor, host: torch.Tensor,
-              rows: Optional[torch.Tensor], to_host: bool) -> None:
+def copy_rows(layout: BlockLayout, block_ids: Any, host: torch.Tensor, rows: Optional[Any], to_host: bool) -> None:
     """Copy blocks ``block_ids`` of every cache to or from rows of ``host`` ([rows, slot]).
 
-    ``rows`` None means rows 0..n-1 in order (one kernel per tensor, no scatter).
-    The one block<->row loop: the CPU device, the CUDA device's staging rows and
-    the simulated device all copy through it.
+    ``rows`` None means rows 0..n-1 in order (no scatter). Ids and rows are sequences of
+    ints or long tensors on the caches' device. The one block<->row loop: the CPU device,
+    the CUDA device's staging rows and the simulated device all copy through it.
     """
+    if layout.caches[0].device.type == "cpu":
+        _copy_rows_numpy(layout, np.asarray(block_ids, dtype=np.int64), host,
+                         None if rows is None else np.asarray(rows, dtype=np.int64), to_host)
+        return
     buf = host.view(torch.int8)
     n = len(block_ids)
     for cache, off in zip(layout.caches, layout.offsets):
@@ -115,6 +118,27 @@ def copy_rows(layout: BlockLayout, block_ids: torch.Tensor, host: torch.Tensor,
             buf[:, off : off + b].index_copy_(0, rows, cache.index_select(0, block_ids))
         else:
             cache.index_copy_(0, block_ids, buf[:, off : off + b].index_select(0, rows))
+
+
+def _copy_rows_numpy(layout: BlockLayout, ids: np.ndarray, host: torch.Tensor, rows: Optional[np.ndarray],
+                     to_host: bool) -> None:
+    """``copy_rows`` for CPU tensors, through numpy indexing: torch's int8 ``index_copy_``
+    copies element by element (0.4 GiB/s for 2 MiB rows on the 2-core VM, numpy's
+    indexing 7-18 GiB/s), and on the CPU device (CI, and vLLM's secondary tier,
+    ``kvoffload.vllm_tier``) every copy goes through here."""
+    buf = host.view(torch.int8).numpy()
+    n = len(ids)
+    # Rows 0..n-1 (every store, and a load with no failed slot) are a slice: no temporary.
+    dense = rows is None or n == 0 or (rows[0] == 0 and bool((np.diff(rows) == 1).all()))
+    for cache, off in zip(layout.caches, layout.offsets):
+        c = cache.numpy()
+        span = slice(off, off + c.shape[1])
+        if to_host and dense:
+            np.take(c, ids, axis=0, out=buf[:n, span], mode="clip")  # ids are checked at launch
+        elif to_host:
+            buf[rows, span] = c[ids]
+        else:
+            c[ids] = buf[:n, span] if dense else buf[rows, span]
 
 
 def random_caches(device: torch.device | str, num_blocks: int, tensor_bytes: Sequence[int],
@@ -209,36 +233,12 @@ class CpuDevice:
     def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
         if wait_event is not None:
             wait_event.synchronize()
-        _copy_cpu(layout, block_ids, host, rows, to_host=True)
+        copy_rows(layout, block_ids, host, rows, to_host=True)
         return DONE
 
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
-        _copy_cpu(layout, block_ids, host, rows, to_host=False)
+        copy_rows(layout, block_ids, host, rows, to_host=False)
         return DONE
-
-
-def _copy_cpu(layout: BlockLayout, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int],
-              to_host: bool) -> None:
-    """``copy_rows`` for CPU tensors, through numpy indexing.
-
-    torch's int8 ``index_copy_`` copies element by element: 0.4 GiB/s for 2 MiB rows on
-    the 2-core VM, where numpy's indexing moves 7-18 GiB/s. On the CPU device (vLLM's
-    secondary tier, ``kvoffload.vllm_tier``) every copy was bound by it.
-    """
-    buf = host.view(torch.int8).numpy()
-    ids = np.asarray(block_ids, dtype=np.int64)
-    r = np.asarray(rows, dtype=np.int64)
-    # Rows 0..n-1 (every store, and a load with no failed slot) are a slice: no temporary.
-    dense = len(r) == 0 or (r[0] == 0 and bool((np.diff(r) == 1).all()))
-    for cache, off in zip(layout.caches, layout.offsets):
-        c = cache.numpy()
-        span = slice(off, off + c.shape[1])
-        if to_host and dense:
-            np.take(c, ids, axis=0, out=buf[: len(r), span], mode="clip")  # ids are checked at launch
-        elif to_host:
-            buf[r, span] = c[ids]
-        else:
-            c[ids] = buf[: len(r), span] if dense else buf[r, span]
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
