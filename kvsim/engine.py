@@ -160,9 +160,15 @@ class Engine:
             budget -= n
         if not batch.prefills and not batch.decodes:
             return None, 0
-        return batch, self._batch_ns(now, batch)
+        # A load started in this step has its completion in ``out``, not yet in the
+        # loop's queue: a fast-forward must stop for it too.
+        due = [e.time_ns for e in out]
+        queued = self._next_event_time()
+        if queued is not None:
+            due.append(queued)
+        return batch, self._batch_ns(now, batch, min(due, default=None))
 
-    def _batch_ns(self, now: int, batch: Batch) -> int:
+    def _batch_ns(self, now: int, batch: Batch, t_next: Optional[int]) -> int:
         m = self.model
         flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
         n_dec = len(batch.decodes)
@@ -174,7 +180,6 @@ class Engine:
         # Decode only: take further steps while no event falls before a boundary,
         # since nothing could change the batch then; stop before the first finish.
         limit = min(r.output - r.generated for r in batch.decodes)
-        t_next = self._next_event_time()
         total, steps = dur, 1
         while steps < limit and (t_next is None or now + total < t_next):
             ctx += n_dec
