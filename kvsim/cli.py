@@ -15,13 +15,13 @@ from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.replay import ReplayConfig, replay
-from kvsim.tiers import DEFAULT_TIERS, parse_size, parse_tier
+from kvsim.tiers import DEFAULT_TIERS, parse_bytes, parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
 
 def _size(text: str) -> int:
     try:
-        return parse_size(text)
+        return parse_bytes("size", text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

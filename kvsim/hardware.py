@@ -60,8 +60,3 @@ class Hardware:
         assert self.load_threads > 0 and self.store_threads > 0 and self.io_depth > 0
         assert self.io_unit_bytes >= 0 and self.page_cache_max_gbps > 0
         assert self.buffer_slots > 0 and self.mfu_prefill > 0
-
-
-def transfer_ns(nbytes: float, gbps: float) -> float:
-    """Nanoseconds to move ``nbytes`` at ``gbps`` GB/s (1 GB/s = 1 byte/ns)."""
-    return nbytes / gbps

@@ -18,11 +18,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvsim.slot_pool import SlotPool
-
+from kvoffload.config import num_slots
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.events import Event, Kind
 from kvsim.hardware import Hardware
 from kvsim.io import IoStation, PageCache, WriteBack
+from kvsim.slot_pool import SlotPool
 from kvsim.tiers import TierSpec
 
 
@@ -36,12 +37,13 @@ class Job:
 class OffloadTier:
     def __init__(self, spec: TierSpec, hw: Hardware, block_bytes: int) -> None:
         assert spec.kind in ("cpu", "disk")
-        num_slots = spec.capacity_bytes // block_bytes
-        if num_slots < 1:
-            raise ValueError(f"tier {spec.text}: smaller than one {block_bytes}-byte block")
-        self.spec, self.hw, self.block_bytes = spec, hw, block_bytes
-        self.pool = SlotPool(num_slots)
         disk = spec.kind == "disk"
+        # kvoffload's sizing rule: an O_DIRECT slot is the block padded to 4096 bytes.
+        slot_bytes = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, spec.page_cache) if disk else block_bytes
+        if spec.capacity_bytes < slot_bytes:
+            raise ValueError(f"tier {spec.text}: smaller than one {slot_bytes}-byte slot")
+        self.spec, self.hw, self.block_bytes = spec, hw, block_bytes
+        self.pool = SlotPool(num_slots(spec.capacity_bytes, slot_bytes))
         self._load_station = IoStation(hw.load_threads if disk else 1)
         self._store_station = IoStation(hw.store_threads if disk else 1)
         self._loads: deque[Job] = deque()

@@ -181,3 +181,13 @@ def test_requests_that_can_never_fit_are_rejected_not_stuck():
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=1 * GiB)
     s, _ = replay([huge, TraceRequest(1, 600, 4, (100, 101), 512)], parse_tier("none"), ReplayConfig(MODEL, hw))
     assert (s["requests"], s["rejected"]) == (1, 1)
+
+
+def test_disk_tiers_size_slots_by_kvoffload_padding_rule():
+    # Goal: one sizing rule (kvoffload.config.num_slots): an O_DIRECT slot of an MLA
+    # block (1,124,352 B) is padded to 1,126,400 B, so ten blocks' worth holds nine.
+    block = 1_124_352
+    cap = 10 * block
+    assert OffloadTier(parse_tier(f"disk:{cap}"), Hardware(), block).pool.num_slots == 9
+    assert OffloadTier(parse_tier(f"disk:{cap}:pagecache"), Hardware(), block).pool.num_slots == 10
+    assert OffloadTier(parse_tier(f"cpu:{cap}"), Hardware(), block).pool.num_slots == 10

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvsim.request import block_keys
-from kvsim.tiers import parse_size, parse_tier
+from kvsim.tiers import parse_bytes, parse_tier
 from kvsim.trace import TraceError, TraceRequest, parse_lines, read_trace
 
 MINI = Path(__file__).parent / "kvsim_fixtures" / "mini_mooncake.jsonl"
@@ -84,12 +84,12 @@ def test_block_keys_skip_partial_tails():
 
 
 def test_sizes_and_tier_specs():
-    assert parse_size("8GiB") == 8 << 30
-    assert parse_size("100GB") == 100 * 10**9
-    assert parse_size("1.5TB") == 1_500_000_000_000
+    assert parse_bytes("x", "8GiB") == 8 << 30
+    assert parse_bytes("x", "100GB") == 100 * 10**9
+    assert parse_bytes("x", "1.5TB") == 1_500_000_000_000
     assert parse_tier("none").kind == "none"
     t = parse_tier("disk:100GB:pagecache")
-    assert (t.kind, t.capacity_bytes, t.page_cache, t.label) == ("disk", 10**11, True, "disk:100GB:pagecache")
+    assert (t.kind, t.capacity_bytes, t.page_cache, t.text) == ("disk", 10**11, True, "disk:100GB:pagecache")
     assert parse_tier("cpu:8GiB").page_cache is False
 
 
@@ -99,8 +99,8 @@ def test_sizes_and_tier_specs():
     ("disk:", "disk needs a size"),
     ("cpu:8GiB:pagecache", "cpu takes no options"),
     ("disk:8GiB:odirect", "the only disk option is 'pagecache'"),
-    ("disk:8 parsecs", "bad size"),
-    ("disk:0GB", "must be > 0"),
+    ("disk:8 parsecs", r"^bad tier 'disk:8 parsecs': size='8 parsecs': expected an integer number of bytes"),
+    ("disk:0GB", r"^bad tier 'disk:0GB': size='0GB': must be > 0"),
 ])
 def test_bad_tier_specs(spec, match):
     with pytest.raises(ValueError, match=match):
