@@ -23,7 +23,7 @@ from kvsim.gpu_cache import GpuPrefixCache
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
 from kvsim.offload import OffloadTier
-from kvsim.request import Request, block_keys
+from kvsim.request import Request, prompt_units
 
 LOAD_POLICIES = ("always", "faster")
 
@@ -48,7 +48,7 @@ class Engine:
             raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
         self.model, self.hw, self.tier = model, hw, tier
         self.bs = hw.block_size
-        self.gpu = GpuPrefixCache(hw.gpu_kv_bytes // (model.kv_bytes_per_token * self.bs))
+        self.gpu = GpuPrefixCache(hw.kv_bytes(model) // (model.kv_bytes_per_token * self.bs))
         self._next_event_time = next_event_time
         self.load_policy = load_policy
         self.waiting: deque[Request] = deque()
@@ -57,8 +57,9 @@ class Engine:
         self.finished: list[Request] = []
         self.rejected: list[Request] = []
         self._busy = False  # a STEP event is pending
+        self._last_step_ns = 0  # one step of the last batch
         self._waiting_tokens = 0  # prompt tokens of waiting requests not yet admitted
-        self._seen: set[int] = set()  # keys ever computed: a later miss is a recompute
+        self._seen: set[int] = set()  # units ever computed: a later miss is a recompute
         self.num_steps = 0
         self._flops_rate = hw.peak_tflops * 1e12 * hw.mfu_prefill  # FLOP/s
         self._mem_rate = hw.hbm_tbps * 1e12 * hw.decode_bw_eff  # B/s
@@ -122,6 +123,7 @@ class Engine:
             self._busy = False
             return out
         self.num_steps += batch.steps
+        self._last_step_ns = dur // batch.steps
         out.append(Event(now + dur, Kind.STEP, payload=batch))
         return out
 
@@ -170,58 +172,89 @@ class Engine:
 
     def _batch_ns(self, now: int, batch: Batch, t_next: Optional[int]) -> int:
         m = self.model
-        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
         n_dec = len(batch.decodes)
         ctx = sum(r.prompt + r.generated for r in batch.decodes)
         kvb = m.kv_bytes_per_token
-        dur = self.step_ns(flops + m.decode_flops(n_dec, ctx), ctx * kvb)
+        dur = self._single_step_ns(batch)
         if batch.prefills or not n_dec:
             return dur
         # Decode only: take further steps while no event falls before a boundary,
         # since nothing could change the batch then; stop before the first finish.
+        # The loop is step_ns and decode_flops written out: it runs for most steps.
         limit = min(r.output - r.generated for r in batch.decodes)
+        fixed = self.hw.step_fixed_ms * 1e-3
+        linear = 2.0 * m.params_nonembed * n_dec
+        attn = 4.0 * m.layers * m.q_heads * m.head_dim
+        flops_rate, mem_rate, weights = self._flops_rate, self._mem_rate, m.weight_bytes
+        end = math.inf if t_next is None else t_next - now
         total, steps = dur, 1
-        while steps < limit and (t_next is None or now + total < t_next):
+        while steps < limit and total < end:
             ctx += n_dec
-            total += self.step_ns(m.decode_flops(n_dec, ctx), ctx * kvb)
+            total += round((fixed + max((linear + attn * ctx) / flops_rate, (weights + ctx * kvb) / mem_rate)) * 1e9)
             steps += 1
         batch.steps = steps
         return total
 
+    def _resume_after_ns(self, load_ns: int) -> int:
+        """How long until a load taking ``load_ns`` is seen complete.
+
+        The worker polls at step boundaries, so a load is seen at the first boundary
+        after it; steps are taken as long as the last one. (Which steps will run is
+        not known yet: an arrival may start a long prefill while the load runs. Of
+        the last step, the mean step so far and the step being formed, the last step
+        predicted best on the reload scenario and the Mooncake trace.)
+        """
+        step = self._last_step_ns
+        return -(-load_ns // step) * step if step else load_ns
+
+    def _single_step_ns(self, batch: Batch) -> int:
+        if not batch.prefills and not batch.decodes:
+            return 0
+        m = self.model
+        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
+        ctx = sum(r.prompt + r.generated for r in batch.decodes)
+        return self.step_ns(flops + m.decode_flops(len(batch.decodes), ctx), ctx * m.kv_bytes_per_token)
+
     def _admit(self, now: int, r: Request, out: list[Event]) -> str:
         """Allocate GPU blocks for a waiting request; ``blocked``, ``parked`` or ``ready``."""
         bs = self.bs
-        if not r.keys:
-            r.keys = block_keys(r.trace, bs)
-        keys = r.keys
-        # vLLM always computes the last prompt token, so a full hit leaves one block.
-        cap = min(len(keys), (r.prompt - 1) // bs)
+        if r.units is None:
+            r.units = prompt_units(r.trace, bs)
+        u = r.units
+        keys = u.keys
+        # vLLM always computes the last prompt token, so a full hit leaves some blocks.
+        cap = u.within((r.prompt - 1) // bs)
         g = min(self.gpu.lookup(keys), cap)
+        hit = u.blocks(g)
         total = math.ceil((r.prompt + r.output) / bs)
-        if not self.gpu.can_allocate(keys[:g], total - g):
+        if not self.gpu.can_allocate(keys[:g], total - hit):
             return "blocked"
-        self.gpu.allocate(keys[:g], total - g)
+        self.gpu.allocate(keys[:g], total - hit)
         self._waiting_tokens -= r.prompt
         r.allocated = True
+        r.admitted_ns = now
         r.owned = keys[:g]
-        r.num_anon = total - g
+        r.num_anon = total - hit
         r.published = g
-        r.computed = g * bs
-        r.gpu_hit_blocks = g
+        r.computed = hit * bs
+        r.gpu_hit_blocks = hit
         m = 0
         tier = self.tier
         if tier is not None and g < cap:
             m = tier.lookup(keys[g:cap])
         if m:
             load_keys = keys[g : g + m]
+            weights = [u.weight(i) for i in range(g, g + m)]
             slots = tier.pool.prepare_load(load_keys)  # pins
-            eta = tier.load_eta_ns(now, slots) + round(self.hw.step_fixed_ms * 1e6)
-            if self.load_policy == "faster" and eta > self.recompute_eta_ns(m * bs, g * bs):
+            eta = self._resume_after_ns(tier.load_eta_ns(now, slots, weights))
+            n_load = u.blocks(g + m) - hit
+            if self.load_policy == "faster" and eta > self.recompute_eta_ns(n_load * bs, hit * bs):
                 tier.pool.complete_load(load_keys, ok=True)  # unpin: recompute instead
                 m = 0
             else:
-                out.append(tier.load(now, load_keys, slots, r))
-                r.load_blocks = m
+                out.append(tier.load(now, load_keys, slots, weights, r))
+                r.load_blocks = n_load
+                r.load_eta_ns = now + eta
         if tier is not None:
             tier.pool.touch(keys[: g + m])
         seen = self._seen
@@ -230,7 +263,7 @@ class Engine:
             if k not in seen:
                 break
             s += 1
-        r.recomputed_tokens = max(0, s - g - m) * bs
+        r.recomputed_tokens = max(0, u.blocks(s) - u.blocks(g + m)) * bs
         seen.update(keys)
         if m:
             self.num_parked += 1
@@ -241,26 +274,28 @@ class Engine:
         """A load is seen complete: its blocks are computed tokens now."""
         self.num_parked -= 1
         r.resumed_ns = now
-        self._publish(r, r.gpu_hit_blocks + r.load_blocks)
-        r.computed = r.published * self.bs
+        self._publish(r, r.units.within(r.gpu_hit_blocks + r.load_blocks))
+        r.computed = (r.gpu_hit_blocks + r.load_blocks) * self.bs
 
     def _publish(self, r: Request, upto: int) -> None:
-        gpu, keys, owned = self.gpu, r.keys, r.owned
+        gpu, u, owned = self.gpu, r.units, r.owned
         for i in range(r.published, upto):
-            if gpu.publish(keys[i]):
-                owned.append(keys[i])
-                r.num_anon -= 1
+            w = u.weight(i)
+            if gpu.publish(u.keys[i], w):
+                owned.append(u.keys[i])
+                r.num_anon -= w
         r.published = upto
 
     def _finish_batch(self, now: int, batch: Batch) -> None:
         bs, tier = self.bs, self.tier
         for r, n in batch.prefills:
             r.computed += n
-            upto = min(r.computed // bs, len(r.keys))
+            upto = r.units.within(r.computed // bs)
             if upto > r.published:
                 self._publish(r, upto)
-                if tier is not None:
-                    tier.store(now, r.keys[:upto])  # eager: every computed block
+                if tier is not None:  # eager: every newly computed unit, once
+                    tier.store(now, r.units, r.offered, upto)
+                    r.offered = upto
             if r.computed == r.prompt:
                 r.first_token_ns = now
                 r.generated = 1
@@ -272,7 +307,7 @@ class Engine:
         for r in done:
             r.finish_ns = now
             self.gpu.free(r.owned, r.num_anon)
-            r.keys = []
+            r.units = None
             r.owned = []
             self.finished.append(r)
         self.running = [r for r in self.running if r.finish_ns is None]

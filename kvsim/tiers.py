@@ -1,12 +1,54 @@
-"""Tier specs: ``none``, ``cpu:<size>``, ``disk:<size>``, ``disk:<size>:pagecache``."""
+"""Tier specs and the disk pipelines they name.
+
+``KIND:SIZE[:OPTION]...`` or ``none``. Kinds: ``cpu`` (vLLM's pinned DRAM tier),
+``disk`` (kvoffload's DiskBackend) and ``vllm-disk`` (vLLM 0.33's own disk backend).
+Disk options: ``pagecache`` (buffered IO through the OS page cache instead of
+O_DIRECT), ``threads=N`` (IO threads per slot file and direction), ``qd=N`` (IOs in
+flight per IO thread: the queue depth of one thread); ``disk`` only: ``unit=SIZE``
+(a job is split into units of this size over the threads), ``seal=aes-gcm|xxh3|off``,
+``paths=N`` (slot files, one per drive). Sizes by kvoffload's rules (``8GiB``,
+``100GB``). ``+`` is kept for a two-level tier (``cpu:8GiB+disk:1TB``, issue 16).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from kvoffload.config import parse_size
+from kvsim.profile import SEALS
 
-DEFAULT_TIERS = ("none", "cpu:8GiB", "disk:1TB", "disk:1TB:pagecache")
+MiB = 1 << 20
+# kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
+KVOFFLOAD_IO_THREADS = 8
+KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
+KINDS = ("cpu", "disk", "vllm-disk")
+# Options each kind accepts; a flag that would do nothing is refused.
+_OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "qd"),
+            "disk": ("pagecache", "threads", "qd", "unit", "seal", "paths")}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How a disk backend moves blocks between the GPU and its slot files."""
+
+    threads: int  # IO threads per slot file and direction
+    ios_per_thread: int  # IOs one thread keeps in flight (its queue depth)
+    # Jobs are split into units of this many bytes over the threads; a thread copies
+    # a unit to or from the GPU in one batched copy; a load thread reads its next
+    # unit while the previous one's copy runs (two staging buffers), a store thread
+    # copies, seals and writes one unit at a time. 0 (vLLM 0.33): a whole job on one
+    # thread, block by block, its DMA and file IO overlapped through two staging slots.
+    unit_bytes: int
+    seal: str  # per slot: aes-gcm, xxh3 or off
+    paths: Optional[int]  # slot files, one per drive; None: one per drive of the profile
+    page_cache: bool
+
+
+KVOFFLOAD = Pipeline(KVOFFLOAD_IO_THREADS, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
+# vLLM 0.33's simple_kv_offload DiskBackend: one store and one load thread, one IO
+# at a time, whole jobs, no checksum, one file.
+VLLM_033 = Pipeline(1, 1, 0, "off", 1, False)
 
 
 def parse_bytes(what: str, text: str) -> int:
@@ -19,28 +61,72 @@ def parse_bytes(what: str, text: str) -> int:
 
 @dataclass(frozen=True)
 class TierSpec:
-    kind: str  # "none" | "cpu" | "disk"
+    kind: str  # "none" | "cpu" | "disk" | "vllm-disk"
     capacity_bytes: int = 0
-    page_cache: bool = False  # disk only: buffered IO through the OS page cache
+    pipeline: Optional[Pipeline] = None  # disk kinds only
     text: str = "none"
+
+    @property
+    def page_cache(self) -> bool:
+        return self.pipeline is not None and self.pipeline.page_cache
+
+
+def _int_option(text: str, name: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"bad tier {text!r}: {name}={value!r} must be an integer >= 1")
+    return int(value)
 
 
 def parse_tier(text: str) -> TierSpec:
-    parts = text.strip().split(":")
+    spec = text.strip()
+    if "+" in spec:
+        raise ValueError(f"bad tier {text!r}: two-level tiers (cpu:SIZE+disk:SIZE) are not modelled yet")
+    parts = spec.split(":")
     kind = parts[0].lower()
     if kind == "none" and len(parts) == 1:
         return TierSpec("none", text="none")
-    if kind not in ("cpu", "disk"):
-        raise ValueError(f"bad tier {text!r}: use none, cpu:<size>, disk:<size> or disk:<size>:pagecache")
+    if kind not in KINDS:
+        raise ValueError(f"bad tier {text!r}: use none, cpu:SIZE, disk:SIZE[:OPTION...] or "
+                         f"vllm-disk:SIZE[:OPTION...]")
     if len(parts) < 2 or not parts[1]:
-        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:8GiB")
+        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:100GB")
     try:
         size = parse_bytes("size", parts[1])
     except ValueError as e:
         raise ValueError(f"bad tier {text!r}: {e}") from None
-    opts = [p.lower() for p in parts[2:]]
-    if kind == "cpu" and opts:
-        raise ValueError(f"bad tier {text!r}: cpu takes no options")
-    if any(o != "pagecache" for o in opts) or len(opts) > 1:
-        raise ValueError(f"bad tier {text!r}: the only disk option is 'pagecache'")
-    return TierSpec(kind, size, bool(opts), text=text.strip())
+    if kind == "cpu":
+        if len(parts) > 2:
+            raise ValueError(f"bad tier {text!r}: cpu takes no options")
+        return TierSpec("cpu", size, text=spec)
+    pipe = KVOFFLOAD if kind == "disk" else VLLM_033
+    seen: set[str] = set()
+    for opt in parts[2:]:
+        name, _, value = opt.partition("=")
+        name = name.lower()
+        if name not in _OPTIONS[kind]:
+            raise ValueError(f"bad tier {text!r}: unknown option {opt!r}; {kind} takes "
+                             f"{', '.join(_OPTIONS[kind])}")
+        if name in seen:
+            raise ValueError(f"bad tier {text!r}: option {name} given twice")
+        seen.add(name)
+        if (name == "pagecache") != (not value):
+            raise ValueError(f"bad tier {text!r}: " + ("pagecache takes no value" if name == "pagecache"
+                                                       else f"{name} needs a value, e.g. {name}=4"))
+        if name == "pagecache":
+            pipe = replace(pipe, page_cache=True)
+        elif name == "threads":
+            pipe = replace(pipe, threads=_int_option(text, name, value))
+        elif name == "qd":
+            pipe = replace(pipe, ios_per_thread=_int_option(text, name, value))
+        elif name == "paths":
+            pipe = replace(pipe, paths=_int_option(text, name, value))
+        elif name == "unit":
+            try:
+                pipe = replace(pipe, unit_bytes=parse_bytes("unit", value))
+            except ValueError as e:
+                raise ValueError(f"bad tier {text!r}: {e}") from None
+        else:  # seal
+            if value not in SEALS:
+                raise ValueError(f"bad tier {text!r}: seal={value!r}: use one of {', '.join(SEALS)}")
+            pipe = replace(pipe, seal=value)
+    return TierSpec(kind, size, pipe, spec)
