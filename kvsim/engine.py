@@ -32,6 +32,7 @@ LOAD_POLICIES = ("always", "faster")
 class Batch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)
+    decode_ctx: int = 0  # tokens the decodes attend to
     steps: int = 1  # > 1: fast-forwarded decode-only steps
 
 
@@ -133,16 +134,20 @@ class Engine:
         hw = self.hw
         budget = hw.max_num_batched_tokens
         batch = Batch()
+        # The hottest loop of a replay: locals only.
+        prefills, decodes, chunked, ctx = batch.prefills, batch.decodes, hw.chunked_prefill, 0
         for r in self.running:
             left = r.prompt - r.computed
             if left:
-                n = min(left, budget)
-                if n and (hw.chunked_prefill or n == left):
-                    batch.prefills.append((r, n))
+                n = left if left < budget else budget
+                if n and (chunked or n == left):
+                    prefills.append((r, n))
                     budget -= n
             elif budget:
-                batch.decodes.append(r)
+                decodes.append(r)
+                ctx += r.prompt + r.generated
                 budget -= 1
+        batch.decode_ctx = ctx
         while self.waiting and budget and len(self.running) < hw.max_num_seqs:
             r = self.waiting[0]
             if not r.allocated:
@@ -173,7 +178,7 @@ class Engine:
     def _batch_ns(self, now: int, batch: Batch, t_next: Optional[int]) -> int:
         m = self.model
         n_dec = len(batch.decodes)
-        ctx = sum(r.prompt + r.generated for r in batch.decodes)
+        ctx = batch.decode_ctx
         kvb = m.kv_bytes_per_token
         dur = self._single_step_ns(batch)
         if batch.prefills or not n_dec:
@@ -212,7 +217,7 @@ class Engine:
             return 0
         m = self.model
         flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
-        ctx = sum(r.prompt + r.generated for r in batch.decodes)
+        ctx = batch.decode_ctx
         return self.step_ns(flops + m.decode_flops(len(batch.decodes), ctx), ctx * m.kv_bytes_per_token)
 
     def _admit(self, now: int, r: Request, out: list[Event]) -> str:
@@ -279,10 +284,11 @@ class Engine:
 
     def _publish(self, r: Request, upto: int) -> None:
         gpu, u, owned = self.gpu, r.units, r.owned
+        keys, last = u.keys, len(u.keys) - 1
         for i in range(r.published, upto):
-            w = u.weight(i)
-            if gpu.publish(u.keys[i], w):
-                owned.append(u.keys[i])
+            w = u.last if i == last else u.per_unit
+            if gpu.publish(keys[i], w):
+                owned.append(keys[i])
                 r.num_anon -= w
         r.published = upto
 
@@ -301,7 +307,9 @@ class Engine:
                 r.generated = 1
         for r in batch.decodes:
             r.generated += batch.steps
-        done = [r for r in self.running if r.computed == r.prompt and r.generated >= r.output]
+        # Only a request in this batch can have finished with it.
+        done = [r for r, _ in batch.prefills if r.computed == r.prompt and r.generated >= r.output]
+        done += [r for r in batch.decodes if r.generated >= r.output]
         if not done:
             return
         for r in done:

@@ -57,20 +57,27 @@ class IoStation:
         ``lo = min e + (count // servers - 1) * busy`` is among them (fewer than
         ``count`` exist): those are handed out at once, the rest one at a time.
         """
-        servers = [(max(now, f), i) for f, i in self._free]
-        lo = min(e for e, _ in servers) + (count // self.servers - 1) * busy_ns
-        n = {i: (lo - 1 - e) // busy_ns + 1 if e < lo else 0 for e, i in servers}
-        nxt = [(e + n[i] * busy_ns, i) for e, i in servers]
+        e = [0] * self.servers  # by server: when it can start
+        for f, i in self._free:
+            e[i] = f if f > now else now
+        lo = min(e) + (count // self.servers - 1) * busy_ns
+        n = [(lo - 1 - t) // busy_ns + 1 if t < lo else 0 for t in e]
+        nxt = [(t + k * busy_ns, i) for i, (t, k) in enumerate(zip(e, n))]
         heapq.heapify(nxt)
         start = lo
-        for _ in range(count - sum(n.values())):
+        for _ in range(count - sum(n)):
             start, i = nxt[0]
             heapq.heapreplace(nxt, (start + busy_ns, i))
             n[i] += 1
-        self._free = [(e + n[i] * busy_ns, i) if n[i] else (f, i) for (f, i), (e, _) in zip(self._free, servers)]
-        heapq.heapify(self._free)
-        for i, k in n.items():
-            self.busy_ns[i] += k * busy_ns
+        busy = self.busy_ns
+        free = []
+        for f, i in self._free:
+            if n[i]:
+                f = e[i] + n[i] * busy_ns
+                busy[i] += n[i] * busy_ns
+            free.append((f, i))
+        heapq.heapify(free)
+        self._free = free
         return start
 
     def last_free_ns(self) -> int:

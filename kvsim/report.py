@@ -78,11 +78,11 @@ def print_table(title: str, summaries: Sequence[dict], file: IO[str]) -> None:
         table.add_row(name, *(fmt(s) for s in summaries))
     # A fixed width keeps piped output identical from run to run.
     console = Console(file=file, width=max(100, 30 + 22 * len(summaries)))
-    console.print(title, highlight=False)
+    console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
     for s in summaries:
         for w in s["warnings"]:
-            console.print(f"warning: {w}", highlight=False)
+            console.print(f"warning: {w}", highlight=False, soft_wrap=True)
 
 
 # Overlapping curves stay visible: each tier its own dash pattern and width.
