@@ -88,9 +88,10 @@ def _direction(cases: dict[str, dict], layouts: dict[str, int], kind: str) -> Di
     return DiskDirection(round(latency * 1e6, 3), round(1 / per_byte / GiB, 4), best)
 
 
-def ceilings(bench: dict, name: str, source: str) -> IoProfile:
+def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = None) -> IoProfile:
     """The profile from the ceilings alone, before any factor is fitted; ``notes`` say
-    where each figure came from."""
+    where each figure came from. What the bench cannot give comes from ``base`` (a
+    profile of the same host), else from a prior."""
     cases = _cases(bench)
     layouts = _layouts(bench)
     big = max(layouts, key=layouts.get)
@@ -121,6 +122,9 @@ def ceilings(bench: dict, name: str, source: str) -> IoProfile:
         rate = (layouts[big] - layouts[small]) / (t_big - t_small)
         call = round(max(0.0, t_small - layouts[small] / rate) * 1e6, 3)
         notes.append(f"copy_call_us: pinned h2d at {layouts[small]:,} and {layouts[big]:,} B per copy")
+    elif base is not None:
+        call = base.copy_call_us
+        notes.append(f"copy_call_us: from profile {base.name} (this bench has one block size)")
     else:
         notes.append(f"copy_call_us: prior: {COPY_CALL_US} us (simulation notes 4.3)")
     notes.append("seal_gib_s: prior: one thread on the 2-core dev VM (AES-GCM: cryptography 50; xxh3_64)")
@@ -242,9 +246,10 @@ def _fit_factor(profile: IoProfile, cases: list[Case], apply: Callable[[IoProfil
     return math.exp((lo + hi) / 2)
 
 
-def calibrate(bench: dict, name: str, source: str) -> IoProfile:
-    """Fit a profile to a bench run; its ``fidelity`` lists every kvoffload case."""
-    profile = ceilings(bench, name, source)
+def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = None) -> IoProfile:
+    """Fit a profile to a bench run; its ``fidelity`` lists every kvoffload case.
+    ``base``: a profile of the same host, for what this bench does not measure."""
+    profile = ceilings(bench, name, source, base)
     cases = bench_cases(bench)
     notes = list(profile.notes)
     # Host memory first: its bound also caps the drives.
@@ -255,6 +260,9 @@ def calibrate(bench: dict, name: str, source: str) -> IoProfile:
             f = _fit_factor(profile, fit_on, _FACTORS[role])
             profile = _FACTORS[role](profile, f)
             notes.append(f"{field_names}: x{f:.3f}, fitted on " + ", ".join(c.name for c in fit_on))
+        elif role == "page-cache write" and base is not None:
+            profile = dataclasses.replace(profile, page_cache_write_gib_s=base.page_cache_write_gib_s)
+            notes.append(f"page_cache_write_gib_s: from profile {base.name} (this bench has no page-cache case)")
         elif role == "page-cache write":
             notes.append("page_cache_write_gib_s: prior: page_cache_read_gib_s (no page-cache case)")
     rows = [{"case": c.name, "role": c.role, "measured_s": round(c.measured_s, 4),

@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("bench", metavar="BENCH.json")
     c.add_argument("-o", "--out", metavar="FILE", help="write the profile here (default: stdout, table on stderr)")
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
+    c.add_argument("--base", metavar="PROFILE",
+                   help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
     return top
 
 
@@ -282,7 +284,8 @@ def _hitrate(a: argparse.Namespace) -> int:
 
 def _calibrate(a: argparse.Namespace) -> int:
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
-    profile = calibrate(load_bench(a.bench), name, a.bench)
+    base = load_profile(a.base) if a.base else None
+    profile = calibrate(load_bench(a.bench), name, a.bench, base)
     text = json.dumps(profile.to_json(), indent=1) + "\n"
     table = fidelity_table(profile)
     if a.out:

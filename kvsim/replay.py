@@ -147,9 +147,9 @@ def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, n
     }
     if queue_share > OVERLOAD_QUEUE_SHARE:
         out["warnings"].append(
-            f"{spec.text}: the simulated GPU is overloaded: {queue_share:.0%} of TTFT is queueing for admission "
-            f"(P50 {out['queue_ms']['p50']:,.0f} ms), so the GPU sets TTFT, not the tier; slow the arrivals "
-            f"(--time-scale, --sample)")
+            f"{spec.text}: queueing for the GPU is {queue_share:.0%} of TTFT (P50 {out['queue_ms']['p50']:,.0f} ms): "
+            f"the simulated GPU is overloaded or the arrivals come in bursts, so the GPU sets TTFT, not the "
+            f"tier; slow the arrivals (--time-scale, --sample)")
     if tier is not None:
         _add_io(out, tier, profile, end_ns)
     return out

@@ -57,7 +57,7 @@ def test_an_overloaded_gpu_is_reported():
     burst = [TraceRequest(0, 16_384, 1, tuple(range(i * 100, i * 100 + 32)), 512) for i in range(40)]
     s, _ = replay(burst, parse_tier("none"), ReplayConfig(MODEL))
     assert s["queue_share_of_ttft"] > 0.5
-    assert "the simulated GPU is overloaded" in s["warnings"][0]
+    assert "queueing for the GPU is" in s["warnings"][0] and "overloaded" in s["warnings"][0]
     calm = [dataclasses.replace(r, arrival_ns=i * 2_000_000_000) for i, r in enumerate(burst)]
     s, _ = replay(calm, parse_tier("none"), ReplayConfig(MODEL))
     assert s["queue_share_of_ttft"] < 0.1 and s["warnings"] == []
