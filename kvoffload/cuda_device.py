@@ -13,16 +13,21 @@ import numpy as np
 import torch
 
 from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, BatchMemcpy, MemcpyAttributes
+from kvoffload.cuda_gather import FusedPieces, load_fused
 from kvoffload.device import BlockLayout, DeviceEvent, copy_rows
 
 # Mean bytes per (tensor, block) piece under which a copy goes through a device
-# staging buffer (one DMA descriptor per row, then one scatter or gather kernel per
-# tensor) instead of one DMA descriptor per piece. The driver handles about 1.6 M
-# descriptors/s whatever their size, while the staged path pays one kernel launch
-# per tensor per copy. H200, 8 threads, 16 MiB units, H2D / D2H GiB/s:
-# 1 KiB pieces: descriptors 1.4 / 1.9, staged 3.8 / 6.9;
-# 8 KiB pieces: descriptors 11.4 / 17.1, staged 2.2 / 4.9 (128 tensors).
+# staging buffer (one DMA descriptor per row, then a gather or scatter between those
+# rows and the caches) instead of one DMA descriptor per piece. The driver handles
+# about 1.6 M descriptors/s whatever their size: 8 KiB pieces top out near 13 GiB/s,
+# 18 KiB near 28. With one gather kernel per tensor the staged path pays a launch per
+# tensor per copy, so it only wins for tiny pieces. H200, 8 threads, 16 MiB units,
+# H2D / D2H GiB/s: 1 KiB pieces: descriptors 1.4 / 1.9, per-tensor kernels 3.8 / 6.9;
+# 8 KiB pieces: descriptors 11.4 / 17.1, per-tensor kernels 2.2 / 4.9 (128 tensors).
+# With the fused kernel (cuda_gather.py: one launch per copy) staging pays off up to
+# pieces of llama's 32 KiB, which descriptors already move at 0.96 of pinned.
 STAGE_BELOW_BYTES = 4096
+FUSED_STAGE_BELOW_BYTES = 32 << 10
 
 
 class _ThreadStream(torch.cuda.Stream):
@@ -34,8 +39,13 @@ class _ThreadStream(torch.cuda.Stream):
 class CudaDevice:
     """Real CUDA streams and events; one batched driver call per copy."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, blocking_events: bool = True) -> None:
         self.device = device
+        # A blocking event makes a waiting thread sleep instead of spin: with many IO
+        # threads on few cores, spinning waiters take the CPU the others encrypt with.
+        # H200, 4 RAM-backed drives, 8 threads per lane: store 10.7 GiB/s blocking,
+        # 4.9 spinning (scripts/probe_fast_storage.py).
+        self.blocking_events = blocking_events
         self._batch = BatchMemcpy()
         # Stores read the cache in stream order (after wait_event: compute may still
         # write it, vLLM #45704); loads read staging rows that do not change until the
@@ -44,6 +54,8 @@ class CudaDevice:
         self._attr_load = MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_ANY)
         self._pinned: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._fused: Optional[FusedPieces] = None
+        self._fused_checked = False
 
     def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
         torch.cuda.set_device(self.device)
@@ -61,15 +73,26 @@ class CudaDevice:
                 own.stage = torch.empty((rows, layout.block_bytes), dtype=torch.int8, device=self.device)
         return own
 
+    def fused(self, layout: BlockLayout) -> Optional[FusedPieces]:
+        """The fused gather kernel for this layout, or None (checked once per device)."""
+        with self._lock:
+            if not self._fused_checked:
+                self._fused = load_fused(self.device)
+                self._fused_checked = True
+        return self._fused if self._fused is not None and FusedPieces.fits(layout) else None
+
     def stages(self, layout: BlockLayout) -> bool:
         """Whether copies of this layout go through device staging rows."""
-        return layout.block_bytes / len(layout.caches) < STAGE_BELOW_BYTES
+        piece = layout.block_bytes / len(layout.caches)
+        if len(layout.caches) > 1 and piece < FUSED_STAGE_BELOW_BYTES and self.fused(layout) is not None:
+            return True
+        return piece < STAGE_BELOW_BYTES
 
     def new_event(self) -> torch.cuda.Event:
         # Recorded again for every copy of one staging buffer: creating and destroying
         # an event per copy takes driver locks the IO threads then queue on (H200, 16
         # MiB units: 40-45 GiB/s H2D with a new event per copy, 50 GiB/s reused).
-        return torch.cuda.Event()
+        return torch.cuda.Event(blocking=self.blocking_events)
 
     def pin(self, host: torch.Tensor) -> None:
         # cudaHostRegister pins exactly this range; PyTorch's pinned allocator would
@@ -116,12 +139,19 @@ class CudaDevice:
                 # Pinned, so the index upload is async; the host allocator keeps the
                 # buffer until the copy on this stream is done.
                 idx = torch.tensor(list(block_ids), dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+                fused = self.fused(layout)
                 if to_host:
-                    copy_rows(layout, idx, stage, None, to_host=True)
+                    if fused is not None:
+                        fused.move(layout, idx, stage, to_stage=True)
+                    else:
+                        copy_rows(layout, idx, stage, None, to_host=True)
                     self._batch(hst_rows, dev_rows, sizes, attr, stream)
                 else:
                     self._batch(dev_rows, hst_rows, sizes, attr, stream)
-                    copy_rows(layout, idx, stage, None, to_host=False)
+                    if fused is not None:
+                        fused.move(layout, idx, stage, to_stage=False)
+                    else:
+                        copy_rows(layout, idx, stage, None, to_host=False)
         else:
             # One descriptor per (tensor, block) piece.
             ids = np.asarray(block_ids, dtype=np.uint64)
@@ -133,6 +163,6 @@ class CudaDevice:
                 self._batch(hst, dev, sizes, attr, stream)
             else:
                 self._batch(dev, hst, sizes, attr, stream)
-        ev = event if event is not None else torch.cuda.Event()
+        ev = event if event is not None else torch.cuda.Event(blocking=self.blocking_events)
         ev.record(stream)
         return ev

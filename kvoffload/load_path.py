@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvoffload.run import Lane, Unit, units_of
+from kvoffload.run import Lane, StageClock, Unit, units_of
 
 # A load whose device copy is running: (unit, failed rows, copy event or None).
 _Pending = Optional[tuple[Unit, set[int], Any]]
@@ -26,7 +26,7 @@ class LoadLane(Lane):
     direction = "load"
     buffers_per_thread = 2
 
-    def loop(self, stream: Any, views: list) -> None:
+    def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         run = self.run
         turn = 0
         pending: _Pending = None
@@ -37,10 +37,11 @@ class LoadLane(Lane):
                 try:
                     unit = self.queue.get_nowait()
                 except queue.Empty:  # nothing to overlap with: finish the pending load now
-                    pending = self.settle(pending)
+                    pending = self.settle(pending, clock)
                     continue
+            clock.lap("wait")
             if unit is None:
-                self.settle(pending)
+                self.settle(pending, clock)
                 return
             if run.closing or run.fatal is not None:
                 self.finish(unit, set(range(len(unit.slots))))
@@ -48,17 +49,17 @@ class LoadLane(Lane):
             rows, mv, event = views[turn]
             turn = (turn + 1) % len(views)
             try:
-                failed, ev = self.load(stream, unit, rows, mv, event)
+                failed, ev = self.load(stream, unit, rows, mv, event, clock)
             except BaseException as e:  # a device failure: fatal for the whole backend
                 run.fail_fatal(e, self, unit)
-                pending = self.settle(pending)
+                pending = self.settle(pending, clock)
                 continue
             # The previous unit's copy had all of this unit's file IO to finish in;
             # its buffer is the one the next unit reads into, so wait for it now.
-            self.settle(pending)
+            self.settle(pending, clock)
             pending = (unit, failed, ev)
 
-    def settle(self, pending: _Pending) -> None:
+    def settle(self, pending: _Pending, clock: StageClock) -> None:
         """Wait for a load's copy to the device, then finish its unit."""
         if pending is None:
             return None
@@ -71,28 +72,34 @@ class LoadLane(Lane):
                 return None
             finally:
                 self.end_copy()
+                clock.lap("device")
         self.finish(unit, failed)
         return None
 
-    def load(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any) -> tuple[set[int], Any]:
+    def load(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any,
+             clock: StageClock) -> tuple[set[int], Any]:
         """Read and open a unit, then start its copy to the device; returns (failed, copy event)."""
         run, f = self.run, self.file
         # Taken before the IO: a store that rewrote a slot meanwhile fails its check.
         records = [run.records[s] for s in unit.slots]
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, r in enumerate(records) if r is None}
-        for j0, j1 in units_of(unit.local, skip=failed):
-            failed |= self.transfer(mv, unit, j0, j1)
         payload = run.layout.block_bytes
         read = 0
-        for j, slot in enumerate(unit.slots):
-            if j in failed:
-                continue
-            read += 1
-            if not run.seal.open(slot, mv[j * f.slot_bytes :], payload, records[j]):
-                run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
-                                slot, f.path, run.seal.name)
-                failed.add(j)
+        for j0, j1 in units_of(unit.local, skip=failed):
+            bad = self.transfer(mv, unit, j0, j1)
+            clock.lap("io")
+            failed |= bad
+            # Opened right after its read, while the rows are still hot in the cache.
+            for j in range(j0, j1):
+                if j in bad:
+                    continue
+                read += 1
+                if not run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j]):
+                    run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
+                                    unit.slots[j], f.path, run.seal.name)
+                    failed.add(j)
+            clock.lap("seal")
         with run.lock:
             run.bytes_read += read * f.slot_bytes
         good = [j for j in range(len(unit.slots)) if j not in failed]
@@ -109,6 +116,7 @@ class LoadLane(Lane):
         except BaseException:
             self.end_copy()
             raise
+        clock.lap("device")
         return failed, ev
 
     def end_copy(self) -> None:

@@ -89,6 +89,23 @@ class RateLimitedLog:
         logger.warning(msg, *args)
 
 
+class StageClock:
+    """Seconds one IO thread spends in each stage (waiting for work, device copy, seal or
+    open, file IO): where the time goes, per direction, in ``DiskBackend.stats()``."""
+
+    __slots__ = ("seconds", "_t")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        """Charge the time since the last lap to ``stage``."""
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._t
+        self._t = now
+
+
 class Lane:
     """One direction of one slot file: a queue and the threads that serve it."""
 
@@ -102,6 +119,7 @@ class Lane:
         self.rows = rows  # blocks per unit
         self.queue: queue.SimpleQueue[Optional[Unit]] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
+        self.clocks: list[StageClock] = []  # one per thread
 
     def staging(self) -> list[tuple[torch.Tensor, memoryview]]:
         """One thread's staging buffers as ([rows, slot_bytes] tensor, bytes with the spare
@@ -130,11 +148,13 @@ class Lane:
                 return
             finally:
                 ready.set()
-            self.loop(stream, views)
+            clock = StageClock()
+            self.clocks.append(clock)
+            self.loop(stream, views, clock)
         finally:
             run.thread_ended()
 
-    def loop(self, stream: Any, views: list) -> None:
+    def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         raise NotImplementedError
 
     def transfer(self, mv: memoryview, unit: Unit, j0: int, j1: int) -> set[int]:
@@ -340,6 +360,17 @@ class Run:
             jobs = list(self.open_jobs.values())
         for job in jobs:
             self.end_job(job, failed=True, fatal=fatal)
+
+    def stage_seconds(self) -> dict[str, dict[str, float]]:
+        """Thread-seconds per stage and direction, summed over the IO threads."""
+        out: dict[str, dict[str, float]] = {"store": {}, "load": {}}
+        for lanes in self.lanes.values():
+            for lane in lanes:
+                acc = out[lane.direction]
+                for clock in list(lane.clocks):
+                    for stage, sec in list(clock.seconds.items()):
+                        acc[stage] = acc.get(stage, 0.0) + sec
+        return out
 
     def take(self, name: str) -> set[int]:
         with self.lock:

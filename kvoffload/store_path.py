@@ -13,44 +13,50 @@ from typing import Any
 
 import torch
 
-from kvoffload.run import Lane, Unit, units_of
+from kvoffload.run import Lane, StageClock, Unit, units_of
 
 
 class StoreLane(Lane):
     direction = "store"
     buffers_per_thread = 1
 
-    def loop(self, stream: Any, views: list) -> None:
+    def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         run = self.run
         rows, mv, event = views[0]
         while True:
             unit = self.queue.get()
+            clock.lap("wait")
             if unit is None:
                 return
             if run.closing or run.fatal is not None:
                 self.finish(unit, set(range(len(unit.slots))))
                 continue
             try:
-                failed = self.store(stream, unit, rows, mv, event)
+                failed = self.store(stream, unit, rows, mv, event, clock)
             except BaseException as e:  # a device failure: fatal for the whole backend
                 run.fail_fatal(e, self, unit)
                 continue
             self.finish(unit, failed)
 
-    def store(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any) -> set[int]:
+    def store(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any,
+              clock: StageClock) -> set[int]:
         run, f = self.run, self.file
         n = len(unit.block_ids)
         ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
         # pwritev reads staging from the CPU side: the device copy must be done first.
         ev.synchronize()
+        clock.lap("device")
         payload = run.layout.block_bytes
-        records = []
-        for j, slot in enumerate(unit.slots):
-            run.records[slot] = None  # invalid until this write is known good
-            records.append(run.seal.seal(slot, mv[j * f.slot_bytes :], payload))
+        records: list[Any] = [None] * n
         failed: set[int] = set()
         for j0, j1 in units_of(unit.local):
+            # Sealed right before its write, while the rows are still hot in the cache.
+            for j in range(j0, j1):
+                run.records[unit.slots[j]] = None  # invalid until this write is known good
+                records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload)
+            clock.lap("seal")
             failed |= self.transfer(mv, unit, j0, j1)
+            clock.lap("io")
         good = [j for j in range(n) if j not in failed]
         for j in good:
             run.records[unit.slots[j]] = records[j]

@@ -222,7 +222,9 @@ def test_copy_path_by_piece_size_serves_good_rows_and_skips_a_bad_one(tmp_path, 
     from kvoffload.device import BlockLayout, resolve_device
 
     caches = make_caches("cuda", 16, LAYOUTS[layout])
-    assert CudaDevice(resolve_device("cuda")).stages(BlockLayout.from_caches(caches)) is staged
+    dev, lay = CudaDevice(resolve_device("cuda")), BlockLayout.from_caches(caches)
+    # 4 KiB pieces go through staging rows only with the fused gather kernel (Triton).
+    assert dev.stages(lay) is (staged or dev.fused(lay) is not None)
     b = start(caches, "cuda", tmp_path, num_slots=16, use_page_cache=True, io_threads=1)
     try:
         want = snapshot(caches)
@@ -242,6 +244,31 @@ def test_copy_path_by_piece_size_serves_good_rows_and_skips_a_bad_one(tmp_path, 
                     assert bool((got[i] == 7).all())
                 else:
                     assert torch.equal(got[i], want[k][i]), (k, i)
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tensor_bytes", [[8192] * 32, [18432] * 7, [1152, 4096, 36, 18432]],
+                         ids=["many", "mla", "mixed"])
+def test_fused_gather_kernel_is_used_and_moves_exact_bytes(tmp_path, tensor_bytes):
+    pytest.importorskip("triton")
+    from kvoffload.cuda_device import CudaDevice
+    from kvoffload.device import BlockLayout, resolve_device
+
+    caches = make_caches("cuda", 24, tensor_bytes, seed=11)
+    dev = CudaDevice(resolve_device("cuda"))
+    assert dev.fused(BlockLayout.from_caches(caches)) is not None, "Triton imports but the kernel is off"
+    b = start(caches, "cuda", tmp_path, num_slots=24, io_unit_bytes=3 * block_bytes(caches), device_impl=dev)
+    try:
+        want, ev = snapshot(caches), []
+        slots = torch.randperm(24, generator=torch.Generator().manual_seed(3)).tolist()
+        assert run_job(b, list(range(24)), slots, True, ev).ok
+        for t in caches.values():
+            t.fill_(7)
+        assert run_job(b, slots, list(range(24)), False, ev, 1).ok
+        for k in caches:
+            assert torch.equal(caches[k].cpu(), want[k]), k
     finally:
         b.shutdown()
 
