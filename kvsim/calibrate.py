@@ -59,6 +59,32 @@ def _need(cases: dict[str, dict], name: str) -> dict:
     return cases[name]
 
 
+def _cpus(bench: dict) -> int:
+    cpus = bench.get("machine", {}).get("cpus")
+    if not isinstance(cpus, int) or cpus < 1:
+        raise BenchError("the bench machine lists no cpus")
+    return cpus
+
+
+def _pipeline(bench: dict) -> tuple[Optional[int], Optional[int], str]:
+    """The backend's IO threads per lane and unit bytes as the bench ran them, and from where.
+
+    The bench's config has ``io_threads`` only when it was given; its seam cases run
+    the backend's unit (``rows_per_call`` blocks) on its default threads. Without
+    either, kvsim's own defaults for kvoffload apply.
+    """
+    cfg = bench.get("config", {})
+    seam = next((c for c in bench.get("cases", []) if c.get("group") == "seam"), None)
+    threads = cfg.get("io_threads")
+    unit = cfg.get("io_unit_bytes")
+    if seam is not None:
+        slot = slot_bytes_for(_layouts(bench)[seam["layout"]], MIN_DIRECT_ALIGNMENT, False)
+        threads = threads or seam["detail"].get("threads")
+        unit = unit or seam["detail"]["rows_per_call"] * slot
+        return threads, unit, "the seam cases"
+    return threads, unit, "the bench config" if threads or unit else "kvsim's defaults for kvoffload"
+
+
 def _layouts(bench: dict) -> dict[str, int]:
     layouts = bench.get("config", {}).get("layouts")
     if not isinstance(layouts, dict) or not layouts:
@@ -129,7 +155,7 @@ def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = No
         notes.append(f"copy_call_us: prior: {COPY_CALL_US} us (simulation notes 4.3)")
     notes.append("seal_gib_s: prior: one thread on the 2-core dev VM (AES-GCM: cryptography 50; xxh3_64)")
     return IoProfile(
-        name=name, source=source, drives=len(bench.get("machine", {}).get("dirs", [])) or 1,
+        name=name, source=source, drives=len(bench.get("machine", {}).get("dirs", [])) or 1, cpus=_cpus(bench),
         disk_read=_direction(cases, layouts, "read"), disk_write=_direction(cases, layouts, "write"),
         page_cache_read_gib_s=pc_read, page_cache_write_gib_s=pc_read,
         host_io_gib_s=host, pcie_h2d_gib_s=h2d, pcie_d2h_gib_s=d2h, copy_call_us=call,
@@ -154,7 +180,8 @@ class Case:
     seal: str
     paths: int
     drives: int
-    threads: Optional[int]
+    threads: Optional[int]  # per lane; None: kvoffload's rule from the host's cores
+    unit_bytes: int
     role: str  # which factor it fits ("read", "write", ...), "predicted", or "first-store"
 
 
@@ -163,6 +190,7 @@ def bench_cases(bench: dict) -> list[Case]:
     layouts = _layouts(bench)
     big = max(layouts, key=layouts.get)
     cfg = bench["config"]
+    threads, unit, _ = _pipeline(bench)
     out = []
     for c in bench["cases"]:
         if c["group"] not in ("disk", "stripe"):
@@ -186,7 +214,7 @@ def bench_cases(bench: dict) -> list[Case]:
         out.append(Case(name, c["bytes"] / (c["gib_s_best"] * GiB), block, c["bytes"] // block,
                         max(1, cfg["job_bytes"] // block), op in ("store", "rewrite"), mode == "pagecache",
                         mode == "pagecache" and op == "warm-load", d["seal"], d.get("paths", 1), drives,
-                        cfg.get("io_threads"), role))
+                        d.get("io_threads", threads), d.get("io_unit_bytes", unit or KVOFFLOAD.unit_bytes), role))
     if not out:
         raise BenchError("the bench has no kvoffload store or load case (group 'disk')")
     return out
@@ -196,7 +224,7 @@ def predict_s(case: Case, profile: IoProfile) -> float:
     """Seconds kvsim takes for the case's jobs, all launched at once as the bench does."""
     slot = slot_bytes_for(case.block_bytes, MIN_DIRECT_ALIGNMENT, case.page_cache)
     pipe = dataclasses.replace(KVOFFLOAD, seal=case.seal, paths=case.paths, page_cache=case.page_cache,
-                               threads=case.threads or KVOFFLOAD.threads)
+                               threads=case.threads, unit_bytes=case.unit_bytes)
     spec = TierSpec("disk", case.num_blocks * slot, pipe, "bench")
     tier = OffloadTier(spec, Hardware(), dataclasses.replace(profile, drives=case.drives), case.block_bytes, 1)
     done = 0
@@ -251,7 +279,10 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
     ``base``: a profile of the same host, for what this bench does not measure."""
     profile = ceilings(bench, name, source, base)
     cases = bench_cases(bench)
+    threads, unit, where = _pipeline(bench)
     notes = list(profile.notes)
+    notes.append(f"bench pipeline (from {where}): {threads or 'default'} IO threads per lane, "
+                 f"{unit or KVOFFLOAD.unit_bytes:,}-byte units")
     # Host memory first: its bound also caps the drives.
     for role, field_names in (("host memory", "host_io_gib_s"), ("page-cache write", "page_cache_write_gib_s"),
                               ("read", "disk_read"), ("write", "disk_write")):

@@ -50,6 +50,7 @@ class IoProfile:
     name: str
     source: str  # what it was fitted from
     drives: int  # independent drives; kvoffload puts one slot file on each
+    cpus: int  # the host's cores: kvoffload sizes its IO threads by them
     disk_read: DiskDirection
     disk_write: DiskDirection
     # One thread's buffered copy out of (into) the page cache; all threads together
@@ -83,13 +84,14 @@ class IoProfile:
         for name, v in rates.items():
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
-        for name, v in (("drives", self.drives), ("copy_call_us", self.copy_call_us),
+        for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
                         ("disk_read.latency_us", self.disk_read.latency_us),
                         ("disk_write.latency_us", self.disk_write.latency_us)):
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
-        if self.drives < 1:
-            raise ValueError(f"profile {self.name!r}: drives must be >= 1, got {self.drives}")
+        for name, v in (("drives", self.drives), ("cpus", self.cpus)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
         if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
             raise ValueError(f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
 

@@ -21,7 +21,8 @@ from kvsim.profile import SEALS
 MiB = 1 << 20
 # kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
 KVOFFLOAD_IO_THREADS = 8
-KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
+KVOFFLOAD_IO_UNIT_BYTES = 2 * MiB
+KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
 KINDS = ("cpu", "disk", "vllm-disk")
 # Options each kind accepts; a flag that would do nothing is refused.
 _OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "qd"),
@@ -32,7 +33,7 @@ _OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "qd"),
 class Pipeline:
     """How a disk backend moves blocks between the GPU and its slot files."""
 
-    threads: int  # IO threads per slot file and direction
+    threads: Optional[int]  # IO threads per slot file and direction; None: kvoffload_threads
     ios_per_thread: int  # IOs one thread keeps in flight (its queue depth)
     # Jobs are split into units of this many bytes over the threads; a thread copies
     # a unit to or from the GPU in one batched copy; a load thread reads its next
@@ -45,10 +46,16 @@ class Pipeline:
     page_cache: bool
 
 
-KVOFFLOAD = Pipeline(KVOFFLOAD_IO_THREADS, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
+KVOFFLOAD = Pipeline(None, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
 # vLLM 0.33's simple_kv_offload DiskBackend: one store and one load thread, one IO
 # at a time, whole jobs, no checksum, one file.
 VLLM_033 = Pipeline(1, 1, 0, "off", 1, False)
+
+
+def kvoffload_threads(cpus: int, paths: int) -> int:
+    """kvoffload's IO threads per lane (``default_io_threads``): up to 8, fewer when
+    several slot files share the host's cores."""
+    return max(KVOFFLOAD_BUFFER_SLOTS, 2, min(KVOFFLOAD_IO_THREADS, cpus // paths))
 
 
 def parse_bytes(what: str, text: str) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvsim.profile import IoProfile, bytes_per_ns
-from kvsim.tiers import Pipeline
+from kvsim.tiers import Pipeline, kvoffload_threads
 
 
 class TransferModel:
@@ -31,7 +31,8 @@ class TransferModel:
             return
         self.paths = pipe.paths if pipe.paths is not None else p.drives
         self.drives = min(self.paths, p.drives)
-        self.threads = pipe.threads * self.paths  # per direction: a lane of threads per slot file
+        per_lane = pipe.threads if pipe.threads is not None else kvoffload_threads(p.cpus, self.paths)
+        self.threads = per_lane * self.paths  # per direction: a lane of threads per slot file
         self._seal = block_bytes * p.seal_ns_per_byte(pipe.seal)
         self.rows = max(1, pipe.unit_bytes // slot_bytes) if pipe.unit_bytes else 0
 

@@ -12,7 +12,7 @@ import pytest
 from kvsim.calibrate import TOLERANCE, BenchError, calibrate, load_bench
 from kvsim.cli import main
 from kvsim.profile import PROFILE_DIR, IoProfile, load_profile
-from kvsim.tiers import KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES
+from kvsim.tiers import KVOFFLOAD_BUFFER_SLOTS, KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES, kvoffload_threads
 
 DATA = Path(__file__).parent / "data"
 RECORDED = {"h200-disk": "bench_h200_disk.json", "h200-array": "bench_h200_array.json"}
@@ -62,10 +62,19 @@ def test_kvsim_predicts_the_bench_jobs_within_ten_percent(name):
     assert predicted  # not only the cases the factors were fitted on
 
 
-def test_kvsim_pipeline_defaults_are_kvoffloads():
-    from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES
+@pytest.mark.parametrize("cpus", [2, 16, 64])
+@pytest.mark.parametrize("paths", [1, 4])
+def test_kvsim_pipeline_defaults_are_kvoffloads(monkeypatch, cpus, paths):
+    import inspect
 
-    assert (KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES) == (DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES)
+    from kvoffload import disk_backend
+
+    assert (KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES) == (disk_backend.DEFAULT_IO_THREADS,
+                                                               disk_backend.DEFAULT_IO_UNIT_BYTES)
+    assert inspect.signature(disk_backend.DiskBackend.init).parameters["num_buffer_slots"].default == \
+        KVOFFLOAD_BUFFER_SLOTS
+    monkeypatch.setattr(disk_backend.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert kvoffload_threads(cpus, paths) == disk_backend.default_io_threads(paths, KVOFFLOAD_BUFFER_SLOTS)
 
 
 def test_the_calibrate_command_writes_a_profile_replay_can_use(tmp_path, capsys):
@@ -97,7 +106,8 @@ def test_a_bench_without_what_calibration_needs_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("edit, match", [
     (lambda d: d.update(disk_read={**d["disk_read"], "max_gib_s": 0}), r"disk_read.max_gib_s must be a number > 0"),
     (lambda d: d.update(host_io_gib_s="fast"), r"host_io_gib_s must be a number > 0, got 'fast'"),
-    (lambda d: d.update(drives=0), r"drives must be >= 1"),
+    (lambda d: d.update(drives=0), r"drives must be an integer >= 1, got 0"),
+    (lambda d: d.update(cpus=2.5), r"cpus must be an integer >= 1, got 2.5"),
     (lambda d: d.update(seal_gib_s={"aes-gcm": 9.0}), r"seal_gib_s lacks xxh3"),
     (lambda d: d.update(turbo=True), r"unknown profile key\(s\) turbo"),
     (lambda d: d.pop("pcie_h2d_gib_s"), r"profile lacks pcie_h2d_gib_s"),
