@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tier", action="append", type=_tier, metavar="SPEC",
                    help="none | cpu:SIZE | disk:SIZE[:OPTION...] | vllm-disk:SIZE[:OPTION...]; repeatable. "
                         "disk = kvoffload's DiskBackend, vllm-disk = vLLM 0.33's. Options: pagecache, threads=N "
-                        "(IO threads per slot file and direction), qd=N (IOs in flight per IO thread); disk only: "
+                        "(IO threads per slot file and direction), ios-per-thread=N (IOs in flight per IO thread: "
+                        "its queue depth); disk only: "
                         "unit=SIZE, seal=aes-gcm|xxh3|off, paths=N. Default: " + " ".join(SCENARIO_TIERS)
                         + " for the reload scenario, " + " ".join(TRACE_TIERS) + " for a trace")
     _model_args(r, f"{SCENARIO_MODEL} for the reload scenario, {DEFAULT_MODEL} for a trace")

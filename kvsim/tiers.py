@@ -3,8 +3,9 @@
 ``KIND:SIZE[:OPTION]...`` or ``none``. Kinds: ``cpu`` (vLLM's pinned DRAM tier),
 ``disk`` (kvoffload's DiskBackend) and ``vllm-disk`` (vLLM 0.33's own disk backend).
 Disk options: ``pagecache`` (buffered IO through the OS page cache instead of
-O_DIRECT), ``threads=N`` (IO threads per slot file and direction), ``qd=N`` (IOs in
-flight per IO thread: the queue depth of one thread); ``disk`` only: ``unit=SIZE``
+O_DIRECT), ``threads=N`` (IO threads per slot file and direction: kvoffload's
+``io_threads``), ``ios-per-thread=N`` (IOs in flight per IO thread: the queue depth of
+one thread); ``disk`` only: ``unit=SIZE``
 (a job is split into units of this size over the threads), ``seal=aes-gcm|xxh3|off``,
 ``paths=N`` (slot files, one per drive). Sizes by kvoffload's rules (``8GiB``,
 ``100GB``). ``+`` is kept for a two-level tier (``cpu:8GiB+disk:1TB``, issue 16).
@@ -25,8 +26,8 @@ KVOFFLOAD_IO_UNIT_BYTES = 2 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
 KINDS = ("cpu", "disk", "vllm-disk")
 # Options each kind accepts; a flag that would do nothing is refused.
-_OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "qd"),
-            "disk": ("pagecache", "threads", "qd", "unit", "seal", "paths")}
+_OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "ios-per-thread"),
+            "disk": ("pagecache", "threads", "ios-per-thread", "unit", "seal", "paths")}
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def parse_tier(text: str) -> TierSpec:
             pipe = replace(pipe, page_cache=True)
         elif name == "threads":
             pipe = replace(pipe, threads=_int_option(text, name, value))
-        elif name == "qd":
+        elif name == "ios-per-thread":
             pipe = replace(pipe, ios_per_thread=_int_option(text, name, value))
         elif name == "paths":
             pipe = replace(pipe, paths=_int_option(text, name, value))

@@ -109,7 +109,7 @@ def test_tier_specs_name_their_pipeline():
     assert t.pipeline == dataclasses.replace(KVOFFLOAD, page_cache=True)
     assert parse_tier("vllm-disk:1TB").pipeline == VLLM_033
     assert parse_tier("cpu:8GiB").pipeline is None and not parse_tier("cpu:8GiB").page_cache
-    t = parse_tier("disk:1TB:threads=16:qd=2:unit=4MiB:seal=xxh3:paths=4")
+    t = parse_tier("disk:1TB:threads=16:ios-per-thread=2:unit=4MiB:seal=xxh3:paths=4")
     assert (t.pipeline.threads, t.pipeline.ios_per_thread, t.pipeline.unit_bytes, t.pipeline.seal,
             t.pipeline.paths) == (16, 2, 4 << 20, "xxh3", 4)
     assert parse_tier("vllm-disk:1TB:threads=4").pipeline.threads == 4
@@ -121,9 +121,9 @@ def test_tier_specs_name_their_pipeline():
     ("disk:", "disk needs a size"),
     ("cpu:8GiB:pagecache", "cpu takes no options"),
     ("disk:8GiB:odirect", "unknown option 'odirect'; disk takes pagecache, threads"),
-    ("vllm-disk:8GiB:seal=xxh3", "unknown option 'seal=xxh3'; vllm-disk takes pagecache, threads, qd"),
+    ("vllm-disk:8GiB:seal=xxh3", "unknown option 'seal=xxh3'; vllm-disk takes pagecache, threads, ios-per-thread"),
     ("disk:8GiB:threads=0", r"threads='0' must be an integer >= 1"),
-    ("disk:8GiB:qd=two", r"qd='two' must be an integer >= 1"),
+    ("disk:8GiB:ios-per-thread=two", r"ios-per-thread='two' must be an integer >= 1"),
     ("disk:8GiB:threads", "threads needs a value"),
     ("disk:8GiB:pagecache=1", "pagecache takes no value"),
     ("disk:8GiB:pagecache:pagecache", "option pagecache given twice"),
