@@ -80,10 +80,6 @@ class IoStation:
         self._free = free
         return start
 
-    def last_free_ns(self) -> int:
-        """When the last queued unit leaves its server."""
-        return max(f for f, _ in self._free)
-
 
 class PageCache:
     """Resident slots of the slot file, LRU, ``capacity`` slots of host free memory."""

@@ -44,7 +44,7 @@ class OffloadTier:
         replay can ever offer (a pool with more slots never evicts, so it gets no more:
         memory follows the trace, not the capacity)."""
         assert spec.kind in ("cpu", "disk", "vllm-disk")
-        self.spec, self.hw, self.block_bytes = spec, hw, block_bytes
+        self.block_bytes = block_bytes
         self.pipe = spec.pipeline
         disk = self.pipe is not None
         # kvoffload's sizing rule: an O_DIRECT slot is the block padded to 4096 bytes.
