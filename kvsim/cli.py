@@ -241,7 +241,8 @@ def _replay(a: argparse.Namespace) -> int:
             summaries.append(s)
             ttfts.append(t)
     if a.json:
-        doc = {"title": title, "model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw),
+        resolved = dataclasses.replace(hw, gpu_kv_bytes=hw.kv_bytes(model))
+        doc = {"title": title, "model": dataclasses.asdict(model), "hardware": dataclasses.asdict(resolved),
                "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
