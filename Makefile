@@ -1,27 +1,38 @@
-# vLLM integration tests in their own venv, so the system Python never gets vLLM
-# (its wheel pins a CUDA torch, several GB). The venv sees the system's torch
-# (--system-site-packages; 2.13 CPU here): vLLM's Python modules that kvoffload.vllm
-# uses import with it, and its compiled ops are never loaded.
+# vLLM integration tests (pytest -m vllm) in their own venv, CPU only, one command:
+#   make test-vllm
+# The system Python never gets vLLM: its wheel pins a CUDA torch and CUDA kernels,
+# several GB. Here torch goes in first and is pinned with a pip constraint, vLLM
+# goes in without its dependencies, and then only what vLLM's Python modules need to
+# import (found by importing them: the connector, the scheduler, the config
+# classes). Nothing of vLLM's compiled code is loaded.
 VENV := .venv-vllm
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --no-warn-conflicts -c $(VENV)/constraints.txt
 VLLM_VERSION := 0.33.0
-# What `import vllm...simple_cpu_offload_connector` needs, found by importing it;
-# bounds from vLLM 0.33.0's own requirements where it pins one.
-VLLM_IMPORT_DEPS := psutil pyzmq "transformers>=5.16.1,<5.21.0" cbor2 aiohttp openai-harmony \
-	openai pybase64 cachetools msgspec uvloop prometheus_client "xgrammar==0.2.8" fastapi \
-	partial_json_parser llguidance
+# The CPU build on this machine's local wheel store; give another spec where there is none.
+TORCH_SPEC ?= torch==2.13.0
+# Bounds from vLLM 0.33.0's own requirements where it pins one.
+VLLM_IMPORT_DEPS := psutil pyzmq regex requests urllib3 cloudpickle py-cpuinfo cachetools msgspec \
+	cbor2 pybase64 aiohttp uvloop fastapi openai openai-harmony prometheus_client \
+	partial_json_parser "transformers>=5.16.1,<5.21.0" "llguidance>=1.7.0,<1.8.0"
+# Imported, never run here; their own dependencies would add triton (1 GB).
+VLLM_IMPORT_NODEPS := "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11"
 
 .PHONY: vllm-env test-vllm
 
 vllm-env: $(VENV)/.done
 
-$(VENV)/.done:
-	python3 -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install --no-deps vllm==$(VLLM_VERSION)
-	$(PY) -m pip install $(VLLM_IMPORT_DEPS)
-	$(PY) -m pip install --no-deps -e .
-	$(PY) -c "import vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
+$(VENV)/.done: pyproject.toml Makefile
+	rm -rf $(VENV)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(PIP) --no-deps vllm==$(VLLM_VERSION)
+	$(PIP) $(VLLM_IMPORT_DEPS)
+	$(PIP) --no-deps $(VLLM_IMPORT_NODEPS)
+	$(PIP) -e '.[test]'
+	VLLM_TARGET_DEVICE=cpu $(PY) -c "import vllm.v1.core.sched.scheduler, kvoffload.vllm as k; k.KvoffloadConnector"
 	touch $@
 
 test-vllm: vllm-env
-	$(PY) -m pytest -m vllm tests/test_vllm_connector.py -q -p no:cacheprovider
+	VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -m vllm -q -p no:cacheprovider

@@ -1,9 +1,19 @@
 """Which disk slot holds which block: the scheduler-side policy of the offload tier.
 
-A block hash is in at most one of three maps: in flight (store launched, invisible),
-cached (store completed, loadable) or dropping (a load failed while other loads still
-pin the slot). Unpinned cached blocks sit in one OrderedDict, LRU first, so eviction
-and touch are O(1) and pinned blocks are never even looked at by eviction.
+The policy vLLM 0.33 runs for ``KvoffloadConnector`` (``SimpleCPUOffloadScheduler``'s
+CPU ``BlockPool``, plus the connector's dropping of failed slots), rebuilt without
+vLLM so kvsim can drive it; ``tests/test_vllm_slot_pool.py`` runs both on the same
+random call sequences and compares every hit, store, slot and eviction.
+
+One free queue holds every slot nobody holds (head = reused next): slots holding
+no block first, then cached blocks, least recently released first. Loads and
+stores in flight hold their slots outside the queue. What vLLM does, and so this:
+
+- released blocks join the tail in the order given, a request's head first, so
+  under pressure the head of a prefix is evicted before its tail;
+- a slot released without a block (failed store or load) goes to the front;
+- a store takes slots from the head, evicting whatever cached block is there,
+  the request's own included, and stores only as many blocks as the queue holds.
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ def prefix_length(keys: Sequence[Hashable], present: Container[Hashable]) -> int
 class SlotPool:
     """LRU pool of ``num_slots`` disk slots keyed by block hash.
 
-    Call pattern (vLLM's scheduler does the same with CPU blocks): ``lookup`` then
-    ``touch`` the hit; ``prepare_load``/``complete_load`` around a load;
-    ``prepare_store``/``complete_store`` around a store.
+    Call pattern (vLLM's scheduler does the same with its CPU blocks): ``lookup``,
+    then ``prepare_load`` the part it loads and ``touch`` the hit; ``complete_load``
+    when the load ends; ``prepare_store``/``complete_store`` around a store.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -37,64 +47,74 @@ class SlotPool:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.num_slots = num_slots
         self.num_evictions = 0
-        # Pop from the end: slot 0 is handed out first, which keeps runs reproducible.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._cached: dict[BlockHash, int] = {}
-        self._in_flight: dict[BlockHash, int] = {}
-        self._dropping: dict[BlockHash, int] = {}
-        self._pins: dict[BlockHash, int] = {}
-        # Unpinned cached blocks only; first = least recently used.
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        # Slots nobody holds, head first: slot 0 is handed out first.
+        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
+        self._slot_of: dict[BlockHash, int] = {}  # cached: loadable
+        self._hash_of: dict[int, BlockHash] = {}
+        self._in_flight: dict[BlockHash, int] = {}  # stores launched, invisible to lookup
+        self._refs: dict[int, int] = {}  # slots held by loads or stores
+        self._pins: dict[BlockHash, list[int]] = {}  # slots each hash's loads hold, oldest first
 
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots holding no block that nobody holds."""
+        return sum(1 for s in self._queue if s not in self._hash_of)
 
     def num_cached(self) -> int:
-        return len(self._cached)
+        return len(self._slot_of)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
     def num_pinned(self) -> int:
+        """Hashes with a load in flight."""
         return len(self._pins)
+
+    def cached_slots(self) -> dict[BlockHash, int]:
+        """Block -> slot of every loadable block."""
+        return dict(self._slot_of)
+
+    def free_queue(self) -> list[int]:
+        """Slots nobody holds, the next one handed out first."""
+        return list(self._queue)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Length of the longest prefix of ``hashes`` whose stores completed OK."""
-        return prefix_length(hashes, self._cached)
+        return prefix_length(hashes, self._slot_of)
 
     def touch(self, hashes: Sequence[BlockHash]) -> None:
-        """Make cached ``hashes`` most recently used, the head most of all.
+        """A hit: move cached ``hashes`` nobody holds to the tail, head first.
 
-        Walking in reverse leaves the tail older than the head, so a request's tail
-        is evicted first and its prefix (the part other requests share) survives,
-        as vLLM's free queue does. Pinned blocks are outside the LRU; they re-enter
-        it when their last load completes.
+        vLLM holds a hit while the scheduler allocates, then releases it in
+        request order. Held blocks (loading) rejoin the queue when released.
         """
-        lru = self._lru
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is not None and slot in self._queue:
+                self._queue.move_to_end(slot)
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Allocate slots for the blocks of ``hashes`` not yet cached or in flight.
+        """Allocate slots for the blocks of ``hashes`` neither cached nor in flight.
 
-        Evicts least recently used unpinned blocks as needed; stops early, storing
-        only a prefix of the new blocks, when no slot is free or evictable. Never
-        evicts the request's own blocks: lookups match prefixes, so a tail stored
-        in place of its head could never be hit. Allocated slots are in flight
+        At most as many as the queue holds (counted first, as vLLM does), from its
+        head; a cached block found there is evicted. Allocated slots are in flight
         (invisible to ``lookup``) until ``complete_store``.
         """
-        # Touching moves the request's cached blocks behind every other block in the
-        # LRU, so the first own block at the LRU front means only own blocks remain.
-        self.touch(hashes)
-        own = set(hashes)
-        out: list[tuple[BlockHash, int]] = []
-        for h in hashes:
-            if h in self._cached or h in self._in_flight or h in self._dropping:
+        room = len(self._queue)
+        chosen: list[BlockHash] = []
+        for h in dict.fromkeys(hashes):
+            if h in self._slot_of or h in self._in_flight:
                 continue
-            slot = self._allocate(own)
-            if slot is None:
+            if len(chosen) >= room:
                 break
+            chosen.append(h)
+        out = []
+        for h in chosen:
+            slot, _ = self._queue.popitem(last=False)
+            old = self._hash_of.pop(slot, None)
+            if old is not None:
+                del self._slot_of[old]
+                self.num_evictions += 1
+            self._refs[slot] = 1
             self._in_flight[h] = slot
             out.append((h, slot))
         assert self._accounted()
@@ -104,68 +124,75 @@ class SlotPool:
         """Publish in-flight stores as cached (``ok``) or free their slots.
 
         ``hashes`` are those ``prepare_store`` returned. A failed store is never
-        visible: the slot may hold torn data. Reverse order: the tail is older.
+        visible: the slot may hold torn data; it goes to the front of the queue.
         """
-        for h in reversed(hashes):
+        slots = []
+        for h in hashes:
             slot = self._in_flight.pop(h, None)
             if slot is None:
                 raise KeyError(f"complete_store: block {h!r} has no store in flight")
             if ok:
-                self._cached[h] = slot
-                self._lru[h] = None
-            else:
-                self._free.append(slot)
+                self._slot_of[h] = slot
+                self._hash_of[slot] = h
+            slots.append(slot)
+        self._release(slots if ok else sorted(slots))
         assert self._accounted()
 
     def prepare_load(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Slots of cached ``hashes``, pinned so no store can evict or reuse them."""
+        """Slots of cached ``hashes``, held so no store can evict or reuse them."""
         slots = []
         for h in hashes:
-            slot = self._cached.get(h)
+            slot = self._slot_of.get(h)
             if slot is None:
                 raise KeyError(f"prepare_load: block {h!r} is not cached (look it up first)")
-            n = self._pins.get(h, 0)
-            if n == 0:
-                del self._lru[h]
-            self._pins[h] = n + 1
+            self._hold(slot)
+            self._pins.setdefault(h, []).append(slot)
             slots.append(slot)
         return slots
 
     def complete_load(self, hashes: Sequence[BlockHash], ok: bool) -> None:
-        """Unpin ``hashes``; on failure drop them so the engine recomputes.
+        """Release ``hashes``' oldest loads; on failure drop them so the engine recomputes.
 
-        A dropped block disappears from lookups at once; its slot is freed when its
-        last pin goes (another load may still be reading it).
+        A dropped block disappears from lookups at once (and may be stored again);
+        its slot joins the queue's front when its last holder lets go.
         """
-        for h in reversed(hashes):
-            n = self._pins.get(h)
-            if n is None:
+        slots = []
+        for h in hashes:
+            held = self._pins.get(h)
+            if not held:
                 raise KeyError(f"complete_load: block {h!r} has no load in flight")
-            if not ok and h in self._cached:
-                self._dropping[h] = self._cached.pop(h)
-            if n > 1:
-                self._pins[h] = n - 1
-                continue
-            del self._pins[h]
-            if h in self._dropping:
-                self._free.append(self._dropping.pop(h))
-            else:
-                self._lru[h] = None
+            slot = held.pop(0)
+            if not held:
+                del self._pins[h]
+            if not ok and self._hash_of.get(slot) == h:
+                del self._slot_of[h], self._hash_of[slot]
+            slots.append(slot)
+        self._release(slots)
         assert self._accounted()
 
-    def _allocate(self, keep: set[BlockHash]) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if not self._lru or next(iter(self._lru)) in keep:
-            return None
-        h, _ = self._lru.popitem(last=False)
-        assert h not in self._pins, "evicting a pinned (loading) block"
-        self.num_evictions += 1
-        return self._cached.pop(h)
+    def _hold(self, slot: int) -> None:
+        n = self._refs.get(slot, 0)
+        if n == 0:
+            del self._queue[slot]
+        self._refs[slot] = n + 1
+
+    def _release(self, slots: Sequence[int]) -> None:
+        """vLLM's ``free_blocks``: slots let go by their last holder join the queue, those
+        holding no block at the front (reused first), cached ones at the tail, in order."""
+        empty, cached = [], []
+        for slot in slots:
+            self._refs[slot] -= 1
+            if self._refs[slot] == 0:
+                del self._refs[slot]
+                (cached if slot in self._hash_of else empty).append(slot)
+        for slot in reversed(empty):
+            self._queue[slot] = None
+            self._queue.move_to_end(slot, last=False)
+        for slot in cached:
+            self._queue[slot] = None
 
     def _accounted(self) -> bool:
-        """Every slot is in exactly one place (checked by count; cheap enough for asserts)."""
-        held = len(self._cached) + len(self._in_flight) + len(self._dropping)
-        return len(self._free) + held == self.num_slots and len(self._lru) + len(self._pins) == (
-            len(self._cached) + len(self._dropping)
-        )
+        """Every slot is queued or held, never both; cached blocks sit in one of the two."""
+        return (len(self._queue) + len(self._refs) == self.num_slots
+                and not self._queue.keys() & self._refs.keys()
+                and all(s in self._queue or s in self._refs for s in self._hash_of))

@@ -13,23 +13,24 @@ HASHES = st.lists(st.integers(0, 11), min_size=1, max_size=6)
 
 
 class SlotPoolMachine(RuleBasedStateMachine):
-    """The model: block -> slot per state, pin counts, and the set of blocks whose
-    store failed (and have not been stored OK since). Eviction order is not modelled
-    here (the unit tests pin it); the model checks who may be evicted and how many."""
+    """The model: block -> slot while cached or in flight, which slots loads and stores
+    hold, and the blocks whose store failed (and were not stored OK since). Queue
+    order is not modelled here (the unit tests and tests/test_vllm_slot_pool.py pin
+    it); the model checks how many blocks a store gets, who may be evicted and how
+    many, and that a held slot is never handed out."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pool = SlotPool(5)
         self.cached: dict[int, int] = {}
         self.in_flight: dict[int, int] = {}
-        self.dropping: dict[int, int] = {}
-        self.pins: dict[int, int] = {}
+        self.pins: dict[int, list[int]] = {}  # hash -> slots its loads hold, oldest first
         self.failed_stores: set[int] = set()
         self.loads: list[list[int]] = []  # outstanding prepare_load calls
         self.stores: list[list[int]] = []  # outstanding prepare_store results
 
-    def _used_slots(self) -> dict[int, int]:
-        return {**self.cached, **self.in_flight, **self.dropping}
+    def _held(self) -> set[int]:
+        return set(self.in_flight.values()) | {s for slots in self.pins.values() for s in slots}
 
     @rule(hashes=HASHES)
     def lookup_and_touch(self, hashes: list[int]) -> None:
@@ -43,23 +44,23 @@ class SlotPoolMachine(RuleBasedStateMachine):
     @rule(hashes=HASHES)
     def store(self, hashes: list[int]) -> None:
         before_evictions = self.pool.num_evictions
-        new = list(dict.fromkeys(h for h in hashes if h not in self._used_slots()))
-        evictable = {h for h in self.cached if h not in self.pins and h not in hashes}
-        free = self.pool.num_slots - len(self._used_slots())
+        held = self._held()
+        new = [h for h in dict.fromkeys(hashes) if h not in self.cached and h not in self.in_flight]
+        room = self.pool.num_slots - len(held)  # every slot nobody holds, cached or not
+        evictable = {h for h, s in self.cached.items() if s not in held}  # the request's own too
+        empty = room - len(evictable)
         got = self.pool.prepare_store(hashes)
-        assert [h for h, _ in got] == new[: len(got)]
-        assert len(got) == min(len(new), free + len(evictable))
-        # Who vanished was evicted: only unpinned blocks outside this request.
+        assert [h for h, _ in got] == new[: min(len(new), room)]
+        # Who vanished was evicted: only cached blocks nobody holds, and only once
+        # no empty slot was left.
         evicted = {h for h in self.cached if self.pool.lookup([h]) == 0}
         assert evicted <= evictable
-        assert len(evicted) == self.pool.num_evictions - before_evictions == max(0, len(got) - free)
-        pinned_slots = {self.cached[h] for h in self.pins if h in self.cached} | set(self.dropping.values())
+        assert len(evicted) == self.pool.num_evictions - before_evictions == max(0, len(got) - empty)
         for h in evicted:
             del self.cached[h]
-        used = set(self._used_slots().values())
+        used = set(self.cached.values()) | held
         for h, slot in got:
-            assert slot not in used and slot not in pinned_slots
-            assert 0 <= slot < self.pool.num_slots
+            assert 0 <= slot < self.pool.num_slots and slot not in used
             self.in_flight[h] = slot
             used.add(slot)
         if got:
@@ -84,8 +85,8 @@ class SlotPoolMachine(RuleBasedStateMachine):
         hashes = data.draw(st.lists(st.sampled_from(sorted(self.cached)), min_size=1, max_size=4))
         slots = self.pool.prepare_load(hashes)
         assert slots == [self.cached[h] for h in hashes]
-        for h in hashes:
-            self.pins[h] = self.pins.get(h, 0) + 1
+        for h, slot in zip(hashes, slots):
+            self.pins.setdefault(h, []).append(slot)
         self.loads.append(hashes)
 
     @precondition(lambda self: self.loads)
@@ -94,29 +95,25 @@ class SlotPoolMachine(RuleBasedStateMachine):
         batch = self.loads.pop(i % len(self.loads))
         self.pool.complete_load(batch, ok)
         for h in batch:
-            if not ok and h in self.cached:
-                self.dropping[h] = self.cached.pop(h)
-            self.pins[h] -= 1
-            if self.pins[h] == 0:
+            slot = self.pins[h].pop(0)  # each hash's oldest load ends first
+            if not self.pins[h]:
                 del self.pins[h]
-                self.dropping.pop(h, None)
+            if not ok and self.cached.get(h) == slot:
+                del self.cached[h]  # dropped: no hit, may be stored again
 
     @invariant()
     def capacity_never_exceeded(self) -> None:
-        used = self._used_slots()
-        assert len(set(used.values())) == len(used) <= self.pool.num_slots
-        assert self.pool.num_free() == self.pool.num_slots - len(used)
+        held = self._held()
+        cached_free = {s for s in self.cached.values() if s not in held}
+        assert len(set(self.cached.values()) | set(self.in_flight.values())) == len(self.cached) + len(self.in_flight)
+        assert self.pool.num_free() == self.pool.num_slots - len(held) - len(cached_free)
         assert self.pool.num_cached() == len(self.cached)
         assert self.pool.num_in_flight() == len(self.in_flight)
-
-    @invariant()
-    def pinned_blocks_keep_their_slots(self) -> None:
-        for h in self.pins:
-            assert h in self.cached or h in self.dropping
+        assert self.pool.num_pinned() == len(self.pins)
 
     @invariant()
     def no_hit_on_failed_or_dropped(self) -> None:
-        for h in self.failed_stores | set(self.in_flight) | set(self.dropping):
+        for h in self.failed_stores | set(self.in_flight) | set(self.pins):
             if h not in self.cached:
                 assert self.pool.lookup([h]) == 0
 
@@ -130,12 +127,14 @@ def _fill(pool: SlotPool, hashes: list) -> None:
     pool.complete_store([h for h, _ in got], True)
 
 
-def test_tail_evicted_before_head() -> None:
+def test_head_evicted_before_tail() -> None:
+    # vLLM releases a request's blocks head first, so the head is the oldest.
     pool = SlotPool(4)
     _fill(pool, ["a0", "a1", "a2", "a3"])
     got = pool.prepare_store(["b0"])
-    assert pool.lookup(["a0", "a1", "a2", "a3"]) == 3  # a3, the tail, went first
-    assert got and got[0][0] == "b0"
+    assert pool.lookup(["a0", "a1", "a2", "a3"]) == 0
+    assert pool.lookup(["a1", "a2", "a3"]) == 3
+    assert got == [("b0", 0)]
 
 
 def test_touch_protects_a_hit_prefix() -> None:
@@ -158,10 +157,21 @@ def test_pinned_block_is_never_evicted_and_store_comes_up_short() -> None:
     assert [h for h, _ in pool.prepare_store(["b0"])] == ["b0"]
 
 
-def test_store_never_evicts_own_head() -> None:
+def test_store_may_evict_its_own_head() -> None:
+    # As in vLLM: the queue holds 2 slots, so the new block gets one, at the head.
     pool = SlotPool(2)
     _fill(pool, ["a0", "a1"])
-    assert pool.prepare_store(["a0", "a1", "a2"]) == []
+    assert pool.prepare_store(["a0", "a1", "a2"]) == [("a2", 0)]
+    assert pool.lookup(["a0", "a1"]) == 0 and pool.lookup(["a1"]) == 1
+
+
+def test_empty_slots_are_reused_before_any_eviction() -> None:
+    pool = SlotPool(3)
+    _fill(pool, ["a0", "a1"])
+    got = pool.prepare_store(["b0"])
+    pool.complete_store(["b0"], ok=False)  # slot 2 back, empty, at the front
+    assert pool.prepare_store(["c0"]) == [("c0", got[0][1])]
+    assert pool.num_evictions == 0
 
 
 def test_failed_store_is_never_a_hit_and_frees_its_slot() -> None:
@@ -180,10 +190,10 @@ def test_failed_load_drops_block_after_last_pin() -> None:
     pool.prepare_load(["a0"])
     pool.complete_load(["a0"], ok=False)
     assert pool.lookup(["a0"]) == 0
-    assert pool.num_free() == 1  # the other load still reads the slot
-    assert pool.prepare_store(["a0"]) == []  # not re-stored while the old slot is pinned
+    assert pool.num_free() == 1  # the other load still reads slot 0
+    assert pool.prepare_store(["a0"]) == [("a0", 1)]  # stored again, elsewhere
     pool.complete_load(["a0"], ok=True)
-    assert pool.num_free() == 2
+    assert pool.num_free() == 1  # slot 0 is back, empty; slot 1 is in flight
 
 
 def test_misuse_raises() -> None:

@@ -146,3 +146,21 @@ def test_interface_check_names_supported_version() -> None:
 
     with pytest.raises(ImportError, match=r"supports vLLM 0\.33\.x; the installed vLLM 9\.9 .*_init_disk_mode is missing"):
         kvv._check_interface("9.9", object, Worker, Worker)
+
+
+def test_worker_metadata_aggregates_over_ranks_and_pickles() -> None:
+    import pickle
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    meta = kvv.KvoffloadWorkerMetadata
+    rank0 = meta(completed_store_events={3: 1}, failed_store_events={3: [7]}, failed_load_slots=[1])
+    rank1 = meta(completed_store_events={3: 1, 4: 1}, failed_store_events={3: [8], 4: [9]}, failed_load_slots=[1, 2])
+    outs = [ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                              kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=pickle.loads(pickle.dumps(m))))
+            for m in (rank0, rank1)]
+    got = KVOutputAggregator(expected_finished_count=2).aggregate(outs).kv_connector_output.kv_connector_worker_meta
+    # vLLM's rule for completions (summed per event), and a slot that failed on any rank fails.
+    assert got == meta(completed_store_events={3: 2, 4: 1}, failed_store_events={3: [7, 8], 4: [9]},
+                       failed_load_slots=[1, 2])
