@@ -260,8 +260,8 @@ class Engine:
                 out.append(tier.load(now, load_keys, slots, weights, r))
                 r.load_blocks = n_load
                 r.load_eta_ns = now + eta
-        if tier is not None:
-            tier.pool.touch(keys[: g + m])
+        if m:  # vLLM touches the hit past the GPU prefix hit, not the GPU-hit part
+            tier.pool.touch(keys[g : g + m])
         seen = self._seen
         s = 0
         for k in keys[:cap]:
