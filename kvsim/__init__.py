@@ -1,6 +1,6 @@
 """kvsim: a discrete-event simulator of vLLM KV-cache offload (GPU, DRAM, disk, page cache).
 
 ``python -m kvsim trace replay [TRACE]`` compares offload tiers on a request trace;
-see docs/kvsim.md. ``kvsim.sim_device.SimDevice`` reuses the same idea of simulated
-completion as a test device for kvoffload's backends.
+``python -m kvsim calibrate BENCH.json`` fits its IO profile to kvoffload's bench.
+See docs/kvsim.md.
 """

@@ -1,27 +1,72 @@
-"""``python -m kvsim trace replay|generate|hitrate``: argument parsing and wiring only."""
+"""``python -m kvsim``: argument parsing, validation and wiring only.
+
+Every numeric flag is checked where it is parsed (one line naming it); a flag that
+would do nothing in the mode given (a trace flag without a trace, a scenario flag
+with one, ``--host-free`` without a page-cache tier, ...) is refused, not ignored.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Optional
 
+from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
-from kvsim.generate import ReloadScenario
+from kvsim.generate import SCENARIO_MODEL, ReloadScenario
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
+from kvsim.profile import BUILTIN, DEFAULT_PROFILE, load_profile
 from kvsim.replay import ReplayConfig, replay
-from kvsim.tiers import DEFAULT_TIERS, parse_size, parse_tier
+from kvsim.tiers import parse_bytes, parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
+
+# The reload scenario is sized so that a 100 GB disk holds its working set (generate.py);
+# a real trace needs more (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
+SCENARIO_TIERS = ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB")
+TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TB", "disk:1TB")
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+COMMANDS = """commands:
+  trace replay [TRACE]        replay a trace (default: the built-in reload scenario) once per tier
+  trace generate reload       write the reload scenario as a kvsim trace
+  trace hitrate TRACE         untimed LRU token hit rate at given capacities (the oracle)
+  calibrate BENCH.json        fit an IO hardware profile to `python -m kvoffload.bench --json`
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, naming the argument; the usage is one --help away.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], want: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return v
+    return parse
+
+
+POS_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
+NONNEG_INT = _checked(int, lambda v: v >= 0, "an integer >= 0")
+POS_FLOAT = _checked(float, lambda v: 0 < v < float("inf"), "a number > 0")
+FRACTION = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 def _size(text: str) -> int:
     try:
-        return parse_size(text)
+        return parse_bytes("size", text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -33,93 +78,153 @@ def _tier(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _add_scenario_args(p: argparse.ArgumentParser) -> None:
+def _scenario_args(p: argparse.ArgumentParser) -> None:
     d = ReloadScenario()
-    p.add_argument("--contexts", type=int, default=d.contexts, help="distinct user contexts")
-    p.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared system prompt tokens")
-    p.add_argument("--context-len", type=int, default=d.context_len, help="tokens per user context")
-    p.add_argument("--suffix-len", type=int, default=d.suffix_len, help="new question tokens per request")
-    p.add_argument("--output-len", type=int, default=d.output_len)
-    p.add_argument("--fill-rate", type=float, default=d.fill_rate, help="requests/s in the fill phase")
-    p.add_argument("--reload-rate", type=float, default=d.reload_rate, help="requests/s in the reload phase")
+    g = p.add_argument_group("reload scenario (no TRACE)")
+    g.add_argument("--contexts", type=POS_INT, help=f"distinct user contexts ({d.contexts})")
+    g.add_argument("--prefix-len", type=POS_INT, help=f"shared system prompt tokens ({d.prefix_len})")
+    g.add_argument("--context-len", type=POS_INT, help=f"tokens per user context ({d.context_len})")
+    g.add_argument("--suffix-len", type=POS_INT, help=f"new question tokens per request ({d.suffix_len})")
+    g.add_argument("--output-len", type=NONNEG_INT, help=f"output tokens per request ({d.output_len})")
+    g.add_argument("--fill-rate", type=POS_FLOAT, help=f"requests/s in the fill phase ({d.fill_rate})")
+    g.add_argument("--reload-rate", type=POS_FLOAT, help=f"requests/s in the reload phase ({d.reload_rate})")
+
+
+SCENARIO_FLAGS = ("contexts", "prefix_len", "context_len", "suffix_len", "output_len", "fill_rate", "reload_rate")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _scenario(a: argparse.Namespace) -> ReloadScenario:
-    return ReloadScenario(a.contexts, a.prefix_len, a.context_len, a.suffix_len, a.output_len,
-                          a.fill_rate, a.reload_rate)
+    given = {k: getattr(a, k) for k in SCENARIO_FLAGS if getattr(a, k) is not None}
+    if a.seed is not None:
+        given["seed"] = a.seed
+    return ReloadScenario(**given)
+
+
+def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), help=f"model shape (default: {default_help})")
+    p.add_argument("--kv-bytes-per-token", type=POS_INT, help="override the model's KV bytes per token")
+    p.add_argument("--block-size", type=POS_INT, default=Hardware.block_size,
+                   help=f"vLLM block size in tokens ({Hardware.block_size})")
+
+
+def _model(a: argparse.Namespace, default: str):
+    model = get_model(a.model or default)
+    if a.kv_bytes_per_token:
+        model = dataclasses.replace(model, kv_bytes_per_token=a.kv_bytes_per_token)
+    return model
 
 
 def build_parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="kvsim", description="Discrete-event simulator of vLLM KV-cache offload.")
-    trace = top.add_subparsers(dest="cmd", required=True).add_parser("trace", help="replay or generate traces")
-    sub = trace.add_subparsers(dest="action", required=True)
+    top = _Parser(prog="kvsim", description="Discrete-event simulator of vLLM KV-cache offload.",
+                  epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = top.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    trace = cmds.add_parser("trace", help="replay, generate or measure traces")
+    sub = trace.add_subparsers(dest="action", required=True, parser_class=_Parser)
 
     r = sub.add_parser("replay", help="replay a trace once per tier and compare",
-                       description="With no TRACE, replays the built-in reload scenario.")
+                       description="With no TRACE, replays the built-in reload scenario (docs/kvsim.md).")
     r.add_argument("trace", nargs="?", help="Mooncake or kvsim jsonl (default: the reload scenario)")
     r.add_argument("--tier", action="append", type=_tier, metavar="SPEC",
-                   help=f"none | cpu:SIZE | disk:SIZE[:pagecache]; repeatable (default: {' '.join(DEFAULT_TIERS)})")
-    r.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    r.add_argument("--kv-bytes-per-token", type=int, help="override the model's KV bytes per token")
+                   help="none | cpu:SIZE | disk:SIZE[:OPTION...] | vllm-disk:SIZE[:OPTION...]; repeatable. "
+                        "disk = kvoffload's DiskBackend, vllm-disk = vLLM 0.33's. Options: pagecache, threads=N "
+                        "(IO threads per slot file and direction), ios-per-thread=N (IOs in flight per IO thread: "
+                        "its queue depth); disk only: "
+                        "unit=SIZE, seal=aes-gcm|xxh3|off, paths=N. Default: " + " ".join(SCENARIO_TIERS)
+                        + " for the reload scenario, " + " ".join(TRACE_TIERS) + " for a trace")
+    _model_args(r, f"{SCENARIO_MODEL} for the reload scenario, {DEFAULT_MODEL} for a trace")
+    r.add_argument("--hardware", default=DEFAULT_PROFILE, metavar="PROFILE",
+                   help=f"IO profile: {' or '.join(BUILTIN)}, or a JSON file from `kvsim calibrate` "
+                        f"(default {DEFAULT_PROFILE})")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    r.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and hit rates per tier")
-    r.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (2 = half the rate)")
-    r.add_argument("--sample", type=float, default=1.0, help="keep this fraction of conversations")
-    r.add_argument("--limit", type=int, help="replay only the first N requests (after sampling)")
-    r.add_argument("--seed", type=int, default=0, help="seed of --sample")
-    r.add_argument("--load-policy", choices=LOAD_POLICIES, default="faster",
-                   help="always load offloaded blocks (vLLM), or recompute when that finishes sooner")
-    hw = Hardware()
-    r.add_argument("--block-size", type=int, default=hw.block_size, help="vLLM block size in tokens")
-    r.add_argument("--max-num-batched-tokens", type=int, default=hw.max_num_batched_tokens)
-    r.add_argument("--max-num-seqs", type=int, default=hw.max_num_seqs)
-    r.add_argument("--gpu-kv", type=_size, default=hw.gpu_kv_bytes, metavar="SIZE", help="GPU KV cache size")
-    r.add_argument("--host-free", type=_size, default=hw.host_free_bytes, metavar="SIZE",
-                   help="free host memory: the page cache's capacity")
-    r.add_argument("--disk-read-gbps", type=float, default=hw.disk_read_gbps)
-    r.add_argument("--disk-write-gbps", type=float, default=hw.disk_write_gbps)
-    r.add_argument("--io-depth", type=int, default=hw.io_depth, help="IOs in flight per IO thread")
-    r.add_argument("--load-threads", type=int, default=hw.load_threads)
-    r.add_argument("--store-threads", type=int, default=hw.store_threads)
-    r.add_argument("--io-unit-mib", type=float, default=hw.io_unit_bytes / 2**20,
-                   help="split each disk job into units of this many MiB over the threads (0: whole job on one, "
-                        "as vLLM 0.33; kvoffload: 16)")
-    _add_scenario_args(r)
+    r.add_argument("--plot", metavar="FILE",
+                   help=f"write TTFT CDFs and hit rates per tier ({', '.join(PLOT_SUFFIXES)})")
+    r.add_argument("--load-policy", choices=LOAD_POLICIES,
+                   help="always load offloaded blocks (vLLM), or recompute when that finishes sooner (default: faster)")
+    r.add_argument("--max-num-batched-tokens", type=POS_INT, default=Hardware.max_num_batched_tokens)
+    r.add_argument("--max-num-seqs", type=POS_INT, default=Hardware.max_num_seqs)
+    r.add_argument("--gpu-kv", type=_size, metavar="SIZE",
+                   help="GPU KV cache (default: what vLLM allots on one H200 at 0.9 memory utilisation)")
+    r.add_argument("--host-free", type=_size, metavar="SIZE",
+                   help="free host memory: the page cache's capacity (page-cache tiers only; default 256GiB)")
+    t = r.add_argument_group("trace (with TRACE)")
+    t.add_argument("--time-scale", type=POS_FLOAT, help="multiply arrival times (2 = half the rate)")
+    t.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
+    t.add_argument("--limit", type=POS_INT, help="replay only the first N requests (after sampling)")
+    r.add_argument("--seed", type=NONNEG_INT,
+                   help="seed of --sample (trace) or of the reload order (scenario); default 0")
+    _scenario_args(r)
 
     g = sub.add_parser("generate", help="write a built-in scenario as a kvsim trace")
     g.add_argument("scenario", choices=["reload"])
     g.add_argument("-o", "--out", help="output file (default: stdout)")
-    _add_scenario_args(g)
+    g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order (0)")
+    _scenario_args(g)
 
     h = sub.add_parser("hitrate", help="untimed LRU token hit rate at given capacities")
     h.add_argument("trace")
     h.add_argument("--capacity", type=_size, action="append", required=True, metavar="SIZE")
-    h.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
-    h.add_argument("--block-size", type=int, default=hw.block_size)
-    h.add_argument("--sample", type=float, default=1.0)
-    h.add_argument("--seed", type=int, default=0)
+    _model_args(h, DEFAULT_MODEL)
+    h.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
+    h.add_argument("--seed", type=NONNEG_INT, help="seed of --sample (0)")
+    h.add_argument("--json", action="store_true", help="one JSON object, rates at full precision")
+
+    c = cmds.add_parser("calibrate", help="fit an IO hardware profile to kvoffload's bench",
+                        description="Fit kvsim's IO profile to `python -m kvoffload.bench --json` output and "
+                                    "print how well kvsim then predicts the bench's own cases.")
+    c.add_argument("bench", metavar="BENCH.json")
+    c.add_argument("-o", "--out", metavar="FILE", help="write the profile here (default: stdout, table on stderr)")
+    c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
+    c.add_argument("--base", metavar="PROFILE",
+                   help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
     return top
 
 
+def _refuse(a: argparse.Namespace, flags: Sequence[str], why: str) -> None:
+    given = [_flag(f) for f in flags if getattr(a, f) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {why}")
+
+
+def _plot_target(path: str) -> None:
+    if Path(path).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {path!r}: name a file ending in {', '.join(PLOT_SUFFIXES)}")
+    if importlib.util.find_spec("matplotlib") is None:  # checked now, not after the whole simulation
+        raise ValueError("--plot needs matplotlib: pip install 'kvoffload[plot]'")
+
+
 def _replay(a: argparse.Namespace) -> int:
-    model = get_model(a.model)
-    if a.kv_bytes_per_token:
-        model = dataclasses.replace(model, kv_bytes_per_token=a.kv_bytes_per_token)
-    hw = dataclasses.replace(
-        Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv, host_free_bytes=a.host_free,
-        disk_read_gbps=a.disk_read_gbps, disk_write_gbps=a.disk_write_gbps, io_depth=a.io_depth,
-        load_threads=a.load_threads, store_threads=a.store_threads, io_unit_bytes=round(a.io_unit_mib * 2**20),
-    )
+    if a.trace is None:
+        _refuse(a, ("time_scale", "sample", "limit"), "trace flags; without a TRACE the reload scenario "
+                "replays (its rates: --fill-rate, --reload-rate)")
+    else:
+        _refuse(a, SCENARIO_FLAGS, "reload-scenario flags; they do nothing with a TRACE")
+        if a.sample is None:
+            _refuse(a, ("seed",), "--seed only seeds --sample for a trace")
+    tiers = a.tier or [parse_tier(t) for t in (SCENARIO_TIERS if a.trace is None else TRACE_TIERS)]
+    if all(t.kind == "none" for t in tiers):
+        _refuse(a, ("load_policy",), "no offload tier to load from")
+    if not any(t.page_cache for t in tiers):
+        _refuse(a, ("host_free",), "only page-cache tiers (disk:SIZE:pagecache) use free host memory")
+    if a.plot:
+        _plot_target(a.plot)
+    model = _model(a, SCENARIO_MODEL if a.trace is None else DEFAULT_MODEL)
+    hw = dataclasses.replace(Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
+                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv,
+                             host_free_bytes=a.host_free or Hardware.host_free_bytes)
+    profile = load_profile(a.hardware)
     if a.trace is None:
         requests = _scenario(a).requests()
         title = "reload scenario"
     else:
-        requests = read_trace(a.trace, a.time_scale, a.sample, a.seed, a.limit)
+        requests = read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit)
         title = a.trace
-    title = f"{title}: {len(requests):,} requests, {model.name}, load policy {a.load_policy}"
-    tiers = a.tier or [parse_tier(t) for t in DEFAULT_TIERS]
-    cfg = ReplayConfig(model, hw, a.load_policy)
+    title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {hw.kv_bytes(model) / 1e9:,.1f} GB, "
+             f"hardware {profile.name}, load policy {a.load_policy or 'faster'}")
+    cfg = ReplayConfig(model, hw, a.load_policy or "faster", profile)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:
@@ -136,8 +241,9 @@ def _replay(a: argparse.Namespace) -> int:
             summaries.append(s)
             ttfts.append(t)
     if a.json:
-        doc = {"title": title, "model": dataclasses.asdict(model), "hardware": dataclasses.asdict(hw),
-               "load_policy": a.load_policy, "tiers": summaries}
+        resolved = dataclasses.replace(hw, gpu_kv_bytes=hw.kv_bytes(model))
+        doc = {"title": title, "model": dataclasses.asdict(model), "hardware": dataclasses.asdict(resolved),
+               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
     else:
@@ -146,6 +252,7 @@ def _replay(a: argparse.Namespace) -> int:
     if a.plot:
         from kvsim.report import plot
         plot(a.plot, summaries, ttfts, title)
+        print(f"kvsim: wrote {a.plot}", file=sys.stderr)
     return 0
 
 
@@ -160,18 +267,44 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _hitrate(a: argparse.Namespace) -> int:
-    requests = read_trace(a.trace, sample=a.sample, seed=a.seed)
-    block_bytes = get_model(a.model).kv_bytes_per_token * a.block_size
-    for cap in a.capacity:
-        rate = lru_hit_rate(requests, cap // block_bytes, a.block_size)
-        print(f"{cap / 1e9:,.1f} GB: token hit rate {rate:.4f}")
+    if a.sample is None:
+        _refuse(a, ("seed",), "--seed only seeds --sample")
+    requests = read_trace(a.trace, sample=a.sample or 1.0, seed=a.seed or 0)
+    model = _model(a, DEFAULT_MODEL)
+    block_bytes = model.kv_bytes_per_token * a.block_size
+    rates = [(cap, lru_hit_rate(requests, cap // block_bytes, a.block_size)) for cap in a.capacity]
+    if a.json:
+        doc = {"trace": a.trace, "requests": len(requests), "model": model.name, "block_size": a.block_size,
+               "capacities": [{"bytes": cap, "token_hit_rate": rate} for cap, rate in rates]}
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for cap, rate in rates:
+            print(f"{cap / 1e9:,.1f} GB: token hit rate {rate:.4f}")
+    return 0
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
+    base = load_profile(a.base) if a.base else None
+    profile = calibrate(load_bench(a.bench), name, a.bench, base)
+    text = json.dumps(profile.to_json(), indent=1) + "\n"
+    table = fidelity_table(profile)
+    if a.out:
+        Path(a.out).write_text(text, encoding="utf-8")
+        print(table)
+        print(f"kvsim: wrote {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+        print(table, file=sys.stderr)
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
+    run = {"replay": _replay, "generate": _generate, "hitrate": _hitrate}.get(getattr(a, "action", None), _calibrate)
     try:
-        return {"replay": _replay, "generate": _generate, "hitrate": _hitrate}[a.action](a)
-    except (TraceError, ValueError, OSError) as e:
+        return run(a)
+    except (TraceError, BenchError, ValueError, OSError) as e:
         print(f"kvsim: error: {e}", file=sys.stderr)
         return 2

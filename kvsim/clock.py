@@ -6,10 +6,6 @@ sums drift with the order of additions. Only the loop calls ``advance_to``.
 
 from __future__ import annotations
 
-NS_PER_US = 1_000
-NS_PER_MS = 1_000_000
-NS_PER_S = 1_000_000_000
-
 
 class Clock:
     def __init__(self, start_ns: int = 0) -> None:
@@ -22,8 +18,3 @@ class Clock:
         if t_ns < self._now:
             raise ValueError(f"clock cannot go backwards: now {self._now} ns, asked {t_ns} ns")
         self._now = t_ns
-
-
-def ns(seconds: float) -> int:
-    """Seconds to integer nanoseconds (rounded half to even, as ``round`` does)."""
-    return round(seconds * NS_PER_S)

@@ -23,7 +23,7 @@ from kvsim.gpu_cache import GpuPrefixCache
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
 from kvsim.offload import OffloadTier
-from kvsim.request import Request, block_keys
+from kvsim.request import Request, prompt_units
 
 LOAD_POLICIES = ("always", "faster")
 
@@ -32,6 +32,7 @@ LOAD_POLICIES = ("always", "faster")
 class Batch:
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)
+    decode_ctx: int = 0  # tokens the decodes attend to
     steps: int = 1  # > 1: fast-forwarded decode-only steps
 
 
@@ -48,7 +49,7 @@ class Engine:
             raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
         self.model, self.hw, self.tier = model, hw, tier
         self.bs = hw.block_size
-        self.gpu = GpuPrefixCache(hw.gpu_kv_bytes // (model.kv_bytes_per_token * self.bs))
+        self.gpu = GpuPrefixCache(hw.kv_bytes(model) // (model.kv_bytes_per_token * self.bs))
         self._next_event_time = next_event_time
         self.load_policy = load_policy
         self.waiting: deque[Request] = deque()
@@ -57,8 +58,9 @@ class Engine:
         self.finished: list[Request] = []
         self.rejected: list[Request] = []
         self._busy = False  # a STEP event is pending
+        self._last_step_ns = 0  # one step of the last batch
         self._waiting_tokens = 0  # prompt tokens of waiting requests not yet admitted
-        self._seen: set[int] = set()  # keys ever computed: a later miss is a recompute
+        self._seen: set[int] = set()  # units ever computed: a later miss is a recompute
         self.num_steps = 0
         self._flops_rate = hw.peak_tflops * 1e12 * hw.mfu_prefill  # FLOP/s
         self._mem_rate = hw.hbm_tbps * 1e12 * hw.decode_bw_eff  # B/s
@@ -122,6 +124,7 @@ class Engine:
             self._busy = False
             return out
         self.num_steps += batch.steps
+        self._last_step_ns = dur // batch.steps
         out.append(Event(now + dur, Kind.STEP, payload=batch))
         return out
 
@@ -131,16 +134,20 @@ class Engine:
         hw = self.hw
         budget = hw.max_num_batched_tokens
         batch = Batch()
+        # The hottest loop of a replay: locals only.
+        prefills, decodes, chunked, ctx = batch.prefills, batch.decodes, hw.chunked_prefill, 0
         for r in self.running:
             left = r.prompt - r.computed
             if left:
-                n = min(left, budget)
-                if n and (hw.chunked_prefill or n == left):
-                    batch.prefills.append((r, n))
+                n = left if left < budget else budget
+                if n and (chunked or n == left):
+                    prefills.append((r, n))
                     budget -= n
             elif budget:
-                batch.decodes.append(r)
+                decodes.append(r)
+                ctx += r.prompt + r.generated
                 budget -= 1
+        batch.decode_ctx = ctx
         while self.waiting and budget and len(self.running) < hw.max_num_seqs:
             r = self.waiting[0]
             if not r.allocated:
@@ -160,72 +167,108 @@ class Engine:
             budget -= n
         if not batch.prefills and not batch.decodes:
             return None, 0
-        return batch, self._batch_ns(now, batch)
+        # A load started in this step has its completion in ``out``, not yet in the
+        # loop's queue: a fast-forward must stop for it too.
+        due = [e.time_ns for e in out]
+        queued = self._next_event_time()
+        if queued is not None:
+            due.append(queued)
+        return batch, self._batch_ns(now, batch, min(due, default=None))
 
-    def _batch_ns(self, now: int, batch: Batch) -> int:
+    def _batch_ns(self, now: int, batch: Batch, t_next: Optional[int]) -> int:
         m = self.model
-        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
         n_dec = len(batch.decodes)
-        ctx = sum(r.prompt + r.generated for r in batch.decodes)
+        ctx = batch.decode_ctx
         kvb = m.kv_bytes_per_token
-        dur = self.step_ns(flops + m.decode_flops(n_dec, ctx), ctx * kvb)
+        dur = self._single_step_ns(batch)
         if batch.prefills or not n_dec:
             return dur
         # Decode only: take further steps while no event falls before a boundary,
         # since nothing could change the batch then; stop before the first finish.
+        # The loop is step_ns and decode_flops written out: it runs for most steps.
         limit = min(r.output - r.generated for r in batch.decodes)
-        t_next = self._next_event_time()
+        fixed = self.hw.step_fixed_ms * 1e-3
+        linear = 2.0 * m.params_nonembed * n_dec
+        attn = 4.0 * m.layers * m.q_heads * m.head_dim
+        flops_rate, mem_rate, weights = self._flops_rate, self._mem_rate, m.weight_bytes
+        end = math.inf if t_next is None else t_next - now
         total, steps = dur, 1
-        while steps < limit and (t_next is None or now + total < t_next):
+        while steps < limit and total < end:
             ctx += n_dec
-            total += self.step_ns(m.decode_flops(n_dec, ctx), ctx * kvb)
+            total += round((fixed + max((linear + attn * ctx) / flops_rate, (weights + ctx * kvb) / mem_rate)) * 1e9)
             steps += 1
         batch.steps = steps
         return total
 
+    def _resume_after_ns(self, load_ns: int) -> int:
+        """How long until a load taking ``load_ns`` is seen complete.
+
+        The worker polls at step boundaries, so a load is seen at the first boundary
+        after it; steps are taken as long as the last one. (Which steps will run is
+        not known yet: an arrival may start a long prefill while the load runs. Of
+        the last step, the mean step so far and the step being formed, the last step
+        predicted best on the reload scenario and the Mooncake trace.)
+        """
+        step = self._last_step_ns
+        return -(-load_ns // step) * step if step else load_ns
+
+    def _single_step_ns(self, batch: Batch) -> int:
+        if not batch.prefills and not batch.decodes:
+            return 0
+        m = self.model
+        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
+        ctx = batch.decode_ctx
+        return self.step_ns(flops + m.decode_flops(len(batch.decodes), ctx), ctx * m.kv_bytes_per_token)
+
     def _admit(self, now: int, r: Request, out: list[Event]) -> str:
         """Allocate GPU blocks for a waiting request; ``blocked``, ``parked`` or ``ready``."""
         bs = self.bs
-        if not r.keys:
-            r.keys = block_keys(r.trace, bs)
-        keys = r.keys
-        # vLLM always computes the last prompt token, so a full hit leaves one block.
-        cap = min(len(keys), (r.prompt - 1) // bs)
+        if r.units is None:
+            r.units = prompt_units(r.trace, bs)
+        u = r.units
+        keys = u.keys
+        # vLLM always computes the last prompt token, so a full hit leaves some blocks.
+        cap = u.within((r.prompt - 1) // bs)
         g = min(self.gpu.lookup(keys), cap)
+        hit = u.blocks(g)
         total = math.ceil((r.prompt + r.output) / bs)
-        if not self.gpu.can_allocate(keys[:g], total - g):
+        if not self.gpu.can_allocate(keys[:g], total - hit):
             return "blocked"
-        self.gpu.allocate(keys[:g], total - g)
+        self.gpu.allocate(keys[:g], total - hit)
         self._waiting_tokens -= r.prompt
         r.allocated = True
+        r.admitted_ns = now
         r.owned = keys[:g]
-        r.num_anon = total - g
+        r.num_anon = total - hit
         r.published = g
-        r.computed = g * bs
-        r.gpu_hit_blocks = g
+        r.computed = hit * bs
+        r.gpu_hit_blocks = hit
         m = 0
         tier = self.tier
         if tier is not None and g < cap:
             m = tier.lookup(keys[g:cap])
         if m:
             load_keys = keys[g : g + m]
+            weights = [u.weight(i) for i in range(g, g + m)]
             slots = tier.pool.prepare_load(load_keys)  # pins
-            eta = tier.load_eta_ns(now, slots) + round(self.hw.step_fixed_ms * 1e6)
-            if self.load_policy == "faster" and eta > self.recompute_eta_ns(m * bs, g * bs):
+            eta = self._resume_after_ns(tier.load_eta_ns(now, slots, weights))
+            n_load = u.blocks(g + m) - hit
+            if self.load_policy == "faster" and eta > self.recompute_eta_ns(n_load * bs, hit * bs):
                 tier.pool.complete_load(load_keys, ok=True)  # unpin: recompute instead
                 m = 0
             else:
-                out.append(tier.load(now, load_keys, slots, r))
-                r.load_blocks = m
-        if tier is not None:
-            tier.pool.touch(keys[: g + m])
+                out.append(tier.load(now, load_keys, slots, weights, r))
+                r.load_blocks = n_load
+                r.load_eta_ns = now + eta
+        if m:  # vLLM touches the hit past the GPU prefix hit, not the GPU-hit part
+            tier.pool.touch(keys[g : g + m])
         seen = self._seen
         s = 0
         for k in keys[:cap]:
             if k not in seen:
                 break
             s += 1
-        r.recomputed_tokens = max(0, s - g - m) * bs
+        r.recomputed_tokens = max(0, u.blocks(s) - u.blocks(g + m)) * bs
         seen.update(keys)
         if m:
             self.num_parked += 1
@@ -236,38 +279,43 @@ class Engine:
         """A load is seen complete: its blocks are computed tokens now."""
         self.num_parked -= 1
         r.resumed_ns = now
-        self._publish(r, r.gpu_hit_blocks + r.load_blocks)
-        r.computed = r.published * self.bs
+        self._publish(r, r.units.within(r.gpu_hit_blocks + r.load_blocks))
+        r.computed = (r.gpu_hit_blocks + r.load_blocks) * self.bs
 
     def _publish(self, r: Request, upto: int) -> None:
-        gpu, keys, owned = self.gpu, r.keys, r.owned
+        gpu, u, owned = self.gpu, r.units, r.owned
+        keys, last = u.keys, len(u.keys) - 1
         for i in range(r.published, upto):
-            if gpu.publish(keys[i]):
+            w = u.last if i == last else u.per_unit
+            if gpu.publish(keys[i], w):
                 owned.append(keys[i])
-                r.num_anon -= 1
+                r.num_anon -= w
         r.published = upto
 
     def _finish_batch(self, now: int, batch: Batch) -> None:
         bs, tier = self.bs, self.tier
         for r, n in batch.prefills:
             r.computed += n
-            upto = min(r.computed // bs, len(r.keys))
+            upto = r.units.within(r.computed // bs)
             if upto > r.published:
                 self._publish(r, upto)
-                if tier is not None:
-                    tier.store(now, r.keys[:upto])  # eager: every computed block
+                if tier is not None:  # eager: every newly computed unit, once
+                    tier.store(now, r.units, r.offered, upto)
+                    r.offered = upto
             if r.computed == r.prompt:
                 r.first_token_ns = now
                 r.generated = 1
         for r in batch.decodes:
             r.generated += batch.steps
-        done = [r for r in self.running if r.computed == r.prompt and r.generated >= r.output]
+        # Only a request in this batch can have finished with it.
+        done = [r for r, _ in batch.prefills if r.computed == r.prompt and r.generated >= r.output]
+        done += [r for r in batch.decodes if r.generated >= r.output]
         if not done:
             return
         for r in done:
             r.finish_ns = now
             self.gpu.free(r.owned, r.num_anon)
-            r.keys = []
+            r.units = None
             r.owned = []
             self.finished.append(r)
         self.running = [r for r in self.running if r.finish_ns is None]

@@ -4,6 +4,7 @@ Handlers return the events they cause instead of touching the heap (Vidur's spli
 so only the loop owns time and the queue. ``Kind`` fixes same-time order, and unlike
 Vidur that order is part of the heap key; ``seq`` (creation order) breaks the
 remaining ties, so a replay is deterministic without any randomness in the loop.
+The heap holds plain tuples: their comparison runs in C.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Optional
 
@@ -28,12 +29,11 @@ class Kind(IntEnum):
     STEP = 2
 
 
-@dataclass(order=True, slots=True)
+@dataclass(slots=True)
 class Event:
     time_ns: int
     kind: Kind
-    seq: int = field(default=-1)
-    payload: Any = field(default=None, compare=False)
+    payload: Any = None
 
 
 Handler = Callable[[Event], Iterable[Event]]
@@ -42,7 +42,7 @@ Handler = Callable[[Event], Iterable[Event]]
 class EventLoop:
     def __init__(self, clock: Optional[Clock] = None) -> None:
         self.clock = clock if clock is not None else Clock()
-        self._heap: list[Event] = []
+        self._heap: list[tuple[int, int, int, Event]] = []
         self._seq = itertools.count()
         self._handlers: dict[Kind, Handler] = {}
         self.num_events = 0
@@ -54,20 +54,19 @@ class EventLoop:
         if event.time_ns < self.clock.now():
             raise ValueError(f"event {event.kind.name} at {event.time_ns} ns is in the past "
                              f"(now {self.clock.now()} ns)")
-        event.seq = next(self._seq)
-        heapq.heappush(self._heap, event)
+        heapq.heappush(self._heap, (event.time_ns, event.kind, next(self._seq), event))
 
     def next_time(self) -> Optional[int]:
         """Time of the earliest pending event, or None when the heap is empty."""
-        return self._heap[0].time_ns if self._heap else None
+        return self._heap[0][0] if self._heap else None
 
     def run(self, until_ns: Optional[int] = None) -> None:
-        heap = self._heap
+        heap, handlers = self._heap, self._handlers
         while heap:
-            if until_ns is not None and heap[0].time_ns > until_ns:
+            if until_ns is not None and heap[0][0] > until_ns:
                 break
-            ev = heapq.heappop(heap)
+            ev = heapq.heappop(heap)[3]
             self.clock.advance_to(ev.time_ns)
             self.num_events += 1
-            for new in self._handlers[ev.kind](ev):
+            for new in handlers[ev.kind](ev):
                 self.push(new)

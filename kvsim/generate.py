@@ -1,29 +1,38 @@
 """The reload scenario: the classic disk-offload experiment as a kvsim trace.
 
-Every request shares a long system prompt. A fill phase visits ``contexts`` distinct
-user contexts, together larger than the GPU cache plus a DRAM tier; a reload phase
-then returns to them in the same order, so an LRU GPU cache has evicted each one
-before it comes back (the LRU worst case), and only a tier that holds the whole
-working set can serve them. The question suffix of each request is new.
+A deployment whose tiers differ: Qwen3-32B on one H200 (about 58 GB of GPU KV cache
+once its 66 GB of weights are loaded), a shared 12,288-token system prompt and
+``contexts`` user contexts, together about 80 GB of KV: more than the GPU cache and
+far more than an 8 GB DRAM tier, less than a 100 GB disk tier. A fill phase visits
+every context once; a reload phase then returns to each in a shuffled order (seeded),
+so whether a context is still on the GPU, or in a tier, depends on what came since,
+as it does in service. Every request asks a new question (the suffix). Requests are
+labelled ``fill`` and ``reload``: the report gives TTFT per phase.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from kvsim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
+# The model the scenario is sized for (--model changes it; sizes stay in tokens).
+SCENARIO_MODEL = "qwen3-32b"
+PHASES = ("fill", "reload")
+
 
 @dataclass(frozen=True)
 class ReloadScenario:
-    contexts: int = 128
+    contexts: int = 48
     prefix_len: int = 12_288  # the #49644 shape's shared system prompt
-    context_len: int = 8_192
+    context_len: int = 6_144
     suffix_len: int = 256
     output_len: int = 64
-    fill_rate: float = 2.0  # requests per second
-    reload_rate: float = 3.5
+    fill_rate: float = 0.5  # requests per second
+    reload_rate: float = 1.0
+    seed: int = 0  # order of the reload phase
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
@@ -43,15 +52,16 @@ class ReloadScenario:
         for _ in range(self.contexts):
             contexts.append(list(range(next_id, next_id + ctx_blocks)))
             next_id += ctx_blocks
+        revisits = list(contexts)
+        random.Random(self.seed).shuffle(revisits)
         n_in = self.prefix_len + self.context_len + self.suffix_len
         out: list[TraceRequest] = []
-        gap_fill = round(1e9 / self.fill_rate)
-        gap_reload = round(1e9 / self.reload_rate)
         t = 0
-        for phase_gap in (gap_fill, gap_reload):
-            for ctx in contexts:
+        for phase, order, rate in (("fill", contexts, self.fill_rate), ("reload", revisits, self.reload_rate)):
+            gap = round(1e9 / rate)
+            for ctx in order:
                 suffix = list(range(next_id, next_id + suffix_blocks))
                 next_id += suffix_blocks
-                out.append(TraceRequest(t, n_in, self.output_len, tuple(prefix + ctx + suffix), b))
-                t += phase_gap
+                out.append(TraceRequest(t, n_in, self.output_len, tuple(prefix + ctx + suffix), b, phase))
+                t += gap
         return out

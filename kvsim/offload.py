@@ -1,169 +1,169 @@
-"""The offload tier: kvoffload's own ``SlotPool`` policy plus the timed store/load paths.
+"""The offload tier: the scheduler-side ``SlotPool`` plus the timed store and load paths.
 
-One job per request per direction and step, as vLLM's offloading worker launches
-them. The worker polls each direction front-first once per engine step and stops at
-the first unfinished job (a high-water mark), so a finished job waits behind an
-earlier unfinished one before its blocks become visible or its request resumes.
+The pool holds units (request.py): one slot per unit. One job per request per
+direction and step, as vLLM's offloading worker launches them. The worker polls each
+direction front-first once per engine step and stops at the first unfinished job (a
+high-water mark), so a finished job waits behind an earlier unfinished one before
+its blocks become visible or its request resumes.
 
-Paths: ``cpu`` = one batched PCIe copy per job on a FIFO copy stream. ``disk`` =
-IO threads, each moving a unit of a job (the whole job when ``io_unit_bytes`` is 0,
-as in vLLM 0.33) block by block through staging buffers: with two or more buffers
-the DMA of one block overlaps the file IO of the next.
+Paths: ``cpu`` = one batched PCIe copy per job on one copy stream. Disk kinds = IO
+threads moving a job in units (``Pipeline``; transfer.py has the times).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from kvsim.slot_pool import SlotPool
-
+from kvoffload.config import num_slots
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.events import Event, Kind
 from kvsim.hardware import Hardware
 from kvsim.io import IoStation, PageCache, WriteBack
+from kvsim.profile import IoProfile, bytes_per_ns
+from kvsim.request import Units
+from kvsim.slot_pool import SlotPool
 from kvsim.tiers import TierSpec
+from kvsim.transfer import TransferModel
 
 
 @dataclass(slots=True)
 class Job:
     done_ns: int
-    keys: list[Hashable]
+    keys: list[int]
+    num_blocks: int
     payload: Any = None  # loads: the parked request
 
 
 class OffloadTier:
-    def __init__(self, spec: TierSpec, hw: Hardware, block_bytes: int) -> None:
-        assert spec.kind in ("cpu", "disk")
-        num_slots = spec.capacity_bytes // block_bytes
-        if num_slots < 1:
-            raise ValueError(f"tier {spec.text}: smaller than one {block_bytes}-byte block")
-        self.spec, self.hw, self.block_bytes = spec, hw, block_bytes
-        self.pool = SlotPool(num_slots)
-        disk = spec.kind == "disk"
-        self._load_station = IoStation(hw.load_threads if disk else 1)
-        self._store_station = IoStation(hw.store_threads if disk else 1)
-        self._loads: deque[Job] = deque()
-        self._stores: deque[Job] = deque()
+    def __init__(self, spec: TierSpec, hw: Hardware, profile: IoProfile, block_bytes: int, unit_blocks: int,
+                 max_units: Optional[int] = None) -> None:
+        """``unit_blocks`` vLLM blocks per pool slot; ``max_units``: distinct units the
+        replay can ever offer (a pool with more slots never evicts, so it gets no more:
+        memory follows the trace, not the capacity)."""
+        assert spec.kind in ("cpu", "disk", "vllm-disk")
+        self.block_bytes = block_bytes
+        self.pipe = spec.pipeline
+        disk = self.pipe is not None
+        # kvoffload's sizing rule: an O_DIRECT slot is the block padded to 4096 bytes.
+        slot_bytes = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, spec.page_cache) if disk else block_bytes
+        if spec.capacity_bytes < slot_bytes * unit_blocks:
+            raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots")
+        self.capacity_units = num_slots(spec.capacity_bytes, slot_bytes) // unit_blocks
+        self.pool = SlotPool(min(self.capacity_units, max_units or self.capacity_units))
+        self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes)
+        threads = self.xfer.threads if disk else 1
+        self.stations = {False: IoStation(threads), True: IoStation(threads)}  # by is_store
+        self._jobs: dict[bool, deque[Job]] = {False: deque(), True: deque()}
         self.page_cache: Optional[PageCache] = None
         self._writeback: Optional[WriteBack] = None
         if spec.page_cache:
-            self.page_cache = PageCache(hw.host_free_bytes // block_bytes)
-            self._writeback = WriteBack(hw.disk_write_gbps, hw.dirty_ratio * hw.host_free_bytes)
+            self.page_cache = PageCache(hw.host_free_bytes // (slot_bytes * unit_blocks))
+            # The kernel writes back at the drives' best rate, whatever the backend's threads.
+            drives = self.xfer.drives * bytes_per_ns(profile.disk_write.max_gib_s)
+            self._writeback = WriteBack(min(drives, bytes_per_ns(profile.host_io_gib_s)),
+                                        hw.dirty_ratio * hw.host_free_bytes)
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.disk_bytes_read = 0
 
     # -- timing ---------------------------------------------------------------
 
-    def _block_ns(self, busy: int, write: bool) -> tuple[float, float, float]:
-        """(file IO, page-cache copy, DMA) ns per block for one of ``busy`` busy threads.
-
-        A thread keeps io_depth IOs in flight, so it is latency-bound at low depth
-        (the QD1 rate); the busy threads share the device, host memory and PCIe.
-        """
-        hw, b = self.hw, self.block_bytes
-        disk_gbps = hw.disk_write_gbps if write else hw.disk_read_gbps
-        disk = max((hw.disk_base_us * 1e3 + b / hw.disk_qd1_gbps) / hw.io_depth, b * busy / disk_gbps)
-        memcpy = max(b / hw.page_cache_gbps, b * busy / hw.page_cache_max_gbps)
-        dma = hw.per_copy_us * 1e3 + b * busy / (hw.d2h_gbps if write else hw.h2d_gbps)
-        return disk, memcpy, dma
-
-    def _pipeline(self, io_ns: Sequence[tuple[int, float]], dma_ns: float) -> int:
-        """Time for a unit whose blocks take ``io_ns`` (count, ns each) of file IO."""
-        n = sum(c for c, _ in io_ns)
-        if self.hw.buffer_slots == 1:
-            return round(sum(c * t for c, t in io_ns) + n * dma_ns)
-        # Pipelined: the slower stage sets the pace, the faster one is paid once.
-        fill = min(min(t for c, t in io_ns if c), dma_ns)
-        return round(fill + sum(c * max(t, dma_ns) for c, t in io_ns))
-
-    def _disk_job(self, station: IoStation, now: int, slots: Sequence[int], write: bool) -> int:
-        """Queue a disk job unit by unit on ``station``; return when its last unit is done.
+    def _submit(self, station: IoStation, now: int, num_blocks: int, hits: int, is_store: bool) -> int:
+        """Queue a job on ``station`` unit by unit; return when its last unit is done.
 
         Units go to whichever thread frees first, as kvoffload's lanes hand them out,
         so one job spreads over the threads and a later short job can finish first.
         """
-        unit = max(1, self.hw.io_unit_bytes // self.block_bytes if self.hw.io_unit_bytes else len(slots))
+        if self.pipe is None:  # the DRAM tier: one batched copy
+            t = round(self.xfer.copy_ns(num_blocks, not is_store))
+            return station.submit(now, t) + t
+        rows = self.xfer.rows or num_blocks
+        full, rest = divmod(num_blocks, rows)
+        k = min(station.servers, station.busy_count(now) + full + (rest > 0))
         done = now
-        for i in range(0, len(slots), unit):
-            chunk = slots[i : i + unit]
-            disk, memcpy, dma = self._block_ns(station.busy_at_start(now), write)
-            if write:  # a page-cache store is a copy into the cache; write-back comes later
-                parts = [(len(chunk), memcpy if self.page_cache is not None else disk)]
-            else:
-                hits = self.page_cache.num_resident(chunk) if self.page_cache is not None else 0
-                parts = [(hits, memcpy), (len(chunk) - hits, disk)]
-            done = max(done, station.submit(now, self._pipeline(parts, dma)))
+        for n, count in ((rows, full), (rest, 1 if rest else 0)):
+            if not count:
+                continue
+            h = hits * n // num_blocks  # page-cache hits spread evenly over the units
+            busy, span = self.xfer.store_unit(n, k) if is_store else self.xfer.load_unit(n, h, k)
+            done = max(done, station.submit(now, busy, count) + span)
         return done
 
-    def _load_done(self, station: IoStation, now: int, slots: Sequence[int]) -> int:
-        if self.spec.kind == "cpu":
-            hw = self.hw
-            return station.submit(now, round(hw.per_copy_us * 1e3 + len(slots) * self.block_bytes / hw.h2d_gbps))
-        return self._disk_job(station, now, slots, write=False)
+    def submit_job(self, now: int, num_blocks: int, is_store: bool, resident: int = 0) -> int:
+        """Queue a store or load of ``num_blocks`` (``resident`` of them in the page cache);
+        return when it is done. The replay's jobs and calibration's bench jobs both come here."""
+        return self._submit(self.stations[is_store], now, num_blocks, resident, is_store)
 
-    def load_eta_ns(self, now: int, slots: Sequence[int]) -> int:
+    def load_eta_ns(self, now: int, slots: Sequence[int], weights: Sequence[int]) -> int:
         """Duration from now until a load of ``slots`` submitted now would finish."""
-        return self._load_done(self._load_station.copy(), now, slots) - now
+        station = self.stations[False].copy()
+        return self._submit(station, now, sum(weights), self._resident(slots, weights), False) - now
+
+    def _resident(self, slots: Sequence[int], weights: Sequence[int]) -> int:
+        return self.page_cache.resident_blocks(slots, weights) if self.page_cache is not None else 0
 
     # -- the engine's calls ---------------------------------------------------
 
-    def lookup(self, keys: Sequence[Hashable]) -> int:
+    def lookup(self, keys: Sequence[int]) -> int:
         return self.pool.lookup(keys)
 
-    def load(self, now: int, keys: list[Hashable], slots: list[int], req: Any) -> Event:
-        """Start loading ``keys`` (pinned by ``pool.prepare_load``) for ``req``."""
-        done = self._load_done(self._load_station, now, slots)
+    def load(self, now: int, keys: list[int], slots: list[int], weights: Sequence[int], req: Any) -> Event:
+        """Start loading units ``keys`` (pinned by ``pool.prepare_load``) for ``req``."""
+        n = sum(weights)
+        hits = self._resident(slots, weights)
+        done = self.submit_job(now, n, False, hits)
+        if self.pipe is not None:
+            self.disk_bytes_read += (n - hits) * self.block_bytes
         if self.page_cache is not None:
-            self.disk_bytes_read += (len(slots) - self.page_cache.num_resident(slots)) * self.block_bytes
             self.page_cache.touch(slots)
-        elif self.spec.kind == "disk":
-            self.disk_bytes_read += len(slots) * self.block_bytes
-        self._loads.append(Job(done, keys, req))
-        self.bytes_loaded += len(keys) * self.block_bytes
+        self._jobs[False].append(Job(done, keys, n, req))
+        self.bytes_loaded += n * self.block_bytes
         return Event(done, Kind.IO_DONE)
 
-    def store(self, now: int, keys: Sequence[Hashable]) -> None:
-        """Offer freshly computed blocks; store those the pool gives slots to.
+    def store(self, now: int, units: Units, start: int, stop: int) -> None:
+        """Offer freshly computed units ``start:stop``; store those the pool gives slots to.
 
         No wake-up event: a store's completion matters only to a later lookup, and
         every lookup happens at a step boundary, which polls first.
         """
-        granted = self.pool.prepare_store(keys)
+        granted = self.pool.prepare_store(units.keys[start:stop])
         if not granted:
             return
-        hashes = [h for h, _ in granted]
-        slots = [s for _, s in granted]
-        n, b = len(slots), self.block_bytes
-        if self.spec.kind == "cpu":
-            service = round(self.hw.per_copy_us * 1e3 + n * b / self.hw.d2h_gbps)
-            done = self._store_station.submit(now, service)
-        else:
-            done = self._disk_job(self._store_station, now, slots, write=True)
+        stored = [h for h, _ in granted]
+        n = len(stored) * units.per_unit
+        if stop == len(units.keys) and stored[-1] == units.keys[-1]:
+            n -= units.per_unit - units.last
+        done = self.submit_job(now, n, True)
         if self.page_cache is not None:
-            self.page_cache.touch(slots)
+            self.page_cache.touch([s for _, s in granted])
             # Buffered writes return once copied unless the dirty backlog is over the limit.
-            done = max(done, self._writeback.dirty(now, n * b))
-        self._stores.append(Job(done, hashes))
-        self.bytes_stored += n * b
+            done = max(done, self._writeback.dirty(now, n * self.block_bytes))
+        self._jobs[True].append(Job(done, stored, n))
+        self.bytes_stored += n * self.block_bytes
 
     def poll(self, now: int) -> list[Any]:
         """Complete finished jobs front-first per direction; return the resumed requests."""
-        while self._stores and self._stores[0].done_ns <= now:
-            self.pool.complete_store(self._stores.popleft().keys, ok=True)
+        stores = self._jobs[True]
+        while stores and stores[0].done_ns <= now:
+            self.pool.complete_store(stores.popleft().keys, ok=True)
+        loads = self._jobs[False]
         resumed = []
-        while self._loads and self._loads[0].done_ns <= now:
-            job = self._loads.popleft()
+        while loads and loads[0].done_ns <= now:
+            job = loads.popleft()
             self.pool.complete_load(job.keys, ok=True)
             resumed.append(job.payload)
         return resumed
 
     def disk_bytes_written(self) -> int:
-        if self.spec.kind != "disk":
+        if self.pipe is None:
             return 0
         return self._writeback.bytes_written if self._writeback is not None else self.bytes_stored
 
-    def num_pending(self) -> int:
-        return len(self._loads) + len(self._stores)
+    def pending_stores(self, now: int) -> tuple[int, int, int]:
+        """Store jobs not done at ``now``: (jobs, bytes, ns until the last is done)."""
+        late = [j for j in self._jobs[True] if j.done_ns > now]
+        return len(late), sum(j.num_blocks for j in late) * self.block_bytes, max(
+            (j.done_ns - now for j in late), default=0)

@@ -1,9 +1,9 @@
-"""Output: one side-by-side table (rich), one JSON object, or a plot (matplotlib)."""
+"""Output: one side-by-side table (rich), or a plot (matplotlib)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Callable, Sequence
+from typing import IO, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -16,7 +16,7 @@ def _bytes(n: int) -> str:
     return f"{n} B" if n else "0"
 
 
-def _ms(v) -> str:
+def _ms(v: Optional[float]) -> str:
     return "-" if v is None else (f"{v / 1000:.2f} s" if v >= 1000 else f"{v:.0f} ms")
 
 
@@ -24,15 +24,30 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}%"
 
 
-ROWS = (
+def _busy(s: dict) -> str:
+    b = s["io_threads_busy"]
+    return "-" if b is None else f"{_pct(b['load']['mean'])} / {_pct(b['store']['mean'])}"
+
+
+def _pending(s: dict) -> str:
+    p = s["stores_pending_at_end"]
+    if not p or not p["jobs"]:
+        return "-" if p is None else "0"
+    return f"{p['jobs']} jobs, {_bytes(p['bytes'])}, {p['drain_s']:.1f} s"
+
+
+Row = tuple[str, Callable[[dict], str]]
+HEAD: tuple[Row, ...] = (
     ("GPU token hit rate", lambda s: _pct(s["gpu_hit_rate"])),
     ("offload token hit rate", lambda s: _pct(s["offload_hit_rate"])),
-    ("TTFT P50", lambda s: _ms(s["ttft_ms"]["p50"])),
-    ("TTFT P90", lambda s: _ms(s["ttft_ms"]["p90"])),
-    ("TTFT P99", lambda s: _ms(s["ttft_ms"]["p99"])),
+)
+TAIL: tuple[Row, ...] = (
+    ("queueing share of TTFT", lambda s: _pct(s["queue_share_of_ttft"])),
     ("bytes stored", lambda s: _bytes(s["bytes_stored"])),
     ("bytes loaded", lambda s: _bytes(s["bytes_loaded"])),
     ("disk util read/write", lambda s: f"{_pct(s['disk_read_util'])} / {_pct(s['disk_write_util'])}"),
+    ("IO threads busy load/store", _busy),
+    ("stores queued at the end", _pending),
     ("PCIe util H2D/D2H", lambda s: f"{_pct(s['pcie_h2d_util'])} / {_pct(s['pcie_d2h_util'])}"),
     ("recomputed tokens", lambda s: f"{s['recomputed_tokens']:,}"),
     ("requests (rejected)", lambda s: f"{s['requests']:,} ({s['rejected']})"),
@@ -40,31 +55,51 @@ ROWS = (
 )
 
 
+def _ttft_rows(summaries: Sequence[dict]) -> list[Row]:
+    """TTFT percentiles overall, or per phase (fill, reload) when the trace has phases."""
+    phases = list(dict.fromkeys(p for s in summaries for p in s["phases"]))
+    rows: list[Row] = []
+    for q in ("p50", "p90", "p99"):
+        if not phases:
+            rows.append((f"TTFT {q.upper()}", lambda s, q=q: _ms(s["ttft_ms"][q])))
+    for p in phases:
+        for q in ("p50", "p90", "p99"):
+            rows.append((f"{p} TTFT {q.upper()}",
+                         lambda s, p=p, q=q: _ms(s["phases"][p]["ttft_ms"][q]) if p in s["phases"] else "-"))
+    return rows
+
+
 def print_table(title: str, summaries: Sequence[dict], file: IO[str]) -> None:
     table = Table()
     table.add_column("")
     for s in summaries:
         table.add_column(s["tier"], justify="right")
-    for name, fmt in ROWS:
+    for name, fmt in (*HEAD, *_ttft_rows(summaries), *TAIL):
         table.add_row(name, *(fmt(s) for s in summaries))
     # A fixed width keeps piped output identical from run to run.
-    console = Console(file=file, width=max(100, 26 + 20 * len(summaries)))
-    console.print(title, highlight=False)
+    console = Console(file=file, width=max(100, 30 + 22 * len(summaries)))
+    console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
+    for s in summaries:
+        for w in s["warnings"]:
+            console.print(f"warning: {w}", highlight=False, soft_wrap=True)
+
+
+# Overlapping curves stay visible: each tier its own dash pattern and width.
+_STYLES = ("-", "--", "-.", ":")
 
 
 def plot(path: str, summaries: Sequence[dict], ttfts: Sequence[Sequence[float]], title: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("kvsim: --plot needs matplotlib: pip install 'kvoffload[plot]'") from None
+    import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     fig, (ax_cdf, ax_hit) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s, t in zip(summaries, ttfts):
+    for i, (s, t) in enumerate(zip(summaries, ttfts)):
         n = len(t)
-        ax_cdf.step([v / 1000 for v in t], [(i + 1) / n for i in range(n)], where="post", label=s["tier"])
+        ax_cdf.step([v / 1000 for v in t], [(j + 1) / n for j in range(n)], where="post", label=s["tier"],
+                    linestyle=_STYLES[i % len(_STYLES)], linewidth=2.5 - 0.4 * (i % 4))
     ax_cdf.set_xscale("log")
     ax_cdf.set_xlabel("TTFT (s)")
     ax_cdf.set_ylabel("fraction of requests")
@@ -77,8 +112,9 @@ def plot(path: str, summaries: Sequence[dict], ttfts: Sequence[Sequence[float]],
     ax_hit.bar(names, off, bottom=gpu, label="offload")
     ax_hit.set_ylabel("token hit rate")
     ax_hit.set_title("hit rate per tier")
+    ax_hit.tick_params(axis="x", labelrotation=20)
     ax_hit.legend()
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,56 +1,140 @@
-"""Tier specs: ``none``, ``cpu:<size>``, ``disk:<size>``, ``disk:<size>:pagecache``."""
+"""Tier specs and the disk pipelines they name.
+
+``KIND:SIZE[:OPTION]...`` or ``none``. Kinds: ``cpu`` (vLLM's pinned DRAM tier),
+``disk`` (kvoffload's DiskBackend) and ``vllm-disk`` (vLLM 0.33's own disk backend).
+Disk options: ``pagecache`` (buffered IO through the OS page cache instead of
+O_DIRECT), ``threads=N`` (IO threads per slot file and direction: kvoffload's
+``io_threads``), ``ios-per-thread=N`` (IOs in flight per IO thread: the queue depth of
+one thread); ``disk`` only: ``unit=SIZE``
+(a job is split into units of this size over the threads), ``seal=aes-gcm|xxh3|off``,
+``paths=N`` (slot files, one per drive). Sizes by kvoffload's rules (``8GiB``,
+``100GB``). ``+`` is kept for a two-level tier (``cpu:8GiB+disk:1TB``, issue 16).
+"""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+from kvoffload.config import parse_size
+from kvsim.profile import SEALS
 
-DEFAULT_TIERS = ("none", "cpu:8GiB", "disk:1TB", "disk:1TB:pagecache")
+MiB = 1 << 20
+# kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
+KVOFFLOAD_IO_THREADS = 8
+KVOFFLOAD_IO_UNIT_BYTES = 2 * MiB
+KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
+KINDS = ("cpu", "disk", "vllm-disk")
+# Options each kind accepts; a flag that would do nothing is refused.
+_OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "ios-per-thread"),
+            "disk": ("pagecache", "threads", "ios-per-thread", "unit", "seal", "paths")}
 
 
-def parse_size(text: str) -> int:
-    """``8GiB`` -> 8589934592, ``100GB`` -> 10**11; decimal and binary units."""
-    m = _SIZE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: use a number and a unit such as 8GiB, 100GB, 1TB")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+@dataclass(frozen=True)
+class Pipeline:
+    """How a disk backend moves blocks between the GPU and its slot files."""
+
+    threads: Optional[int]  # IO threads per slot file and direction; None: kvoffload_threads
+    ios_per_thread: int  # IOs one thread keeps in flight (its queue depth)
+    # Jobs are split into units of this many bytes over the threads; a thread copies
+    # a unit to or from the GPU in one batched copy; a load thread reads its next
+    # unit while the previous one's copy runs (two staging buffers), a store thread
+    # copies, seals and writes one unit at a time. 0 (vLLM 0.33): a whole job on one
+    # thread, block by block, its DMA and file IO overlapped through two staging slots.
+    unit_bytes: int
+    seal: str  # per slot: aes-gcm, xxh3 or off
+    paths: Optional[int]  # slot files, one per drive; None: one per drive of the profile
+    page_cache: bool
+
+
+KVOFFLOAD = Pipeline(None, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
+# vLLM 0.33's simple_kv_offload DiskBackend: one store and one load thread, one IO
+# at a time, whole jobs, no checksum, one file.
+VLLM_033 = Pipeline(1, 1, 0, "off", 1, False)
+
+
+def kvoffload_threads(cpus: int, paths: int) -> int:
+    """kvoffload's IO threads per lane (``default_io_threads``): up to 8, fewer when
+    several slot files share the host's cores."""
+    return max(KVOFFLOAD_BUFFER_SLOTS, 2, min(KVOFFLOAD_IO_THREADS, cpus // paths))
+
+
+def parse_bytes(what: str, text: str) -> int:
+    """A size > 0 such as ``8GiB`` or ``100GB``, by the rules of kvoffload's config keys."""
+    n = parse_size(what, text)
     if n <= 0:
-        raise ValueError(f"bad size {text!r}: must be > 0")
+        raise ValueError(f"{what}={text!r}: must be > 0")
     return n
 
 
 @dataclass(frozen=True)
 class TierSpec:
-    kind: str  # "none" | "cpu" | "disk"
+    kind: str  # "none" | "cpu" | "disk" | "vllm-disk"
     capacity_bytes: int = 0
-    page_cache: bool = False  # disk only: buffered IO through the OS page cache
+    pipeline: Optional[Pipeline] = None  # disk kinds only
     text: str = "none"
 
     @property
-    def label(self) -> str:
-        return self.text
+    def page_cache(self) -> bool:
+        return self.pipeline is not None and self.pipeline.page_cache
+
+
+def _int_option(text: str, name: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"bad tier {text!r}: {name}={value!r} must be an integer >= 1")
+    return int(value)
 
 
 def parse_tier(text: str) -> TierSpec:
-    parts = text.strip().split(":")
+    spec = text.strip()
+    if "+" in spec:
+        raise ValueError(f"bad tier {text!r}: two-level tiers (cpu:SIZE+disk:SIZE) are not modelled yet")
+    parts = spec.split(":")
     kind = parts[0].lower()
     if kind == "none" and len(parts) == 1:
         return TierSpec("none", text="none")
-    if kind not in ("cpu", "disk"):
-        raise ValueError(f"bad tier {text!r}: use none, cpu:<size>, disk:<size> or disk:<size>:pagecache")
+    if kind not in KINDS:
+        raise ValueError(f"bad tier {text!r}: use none, cpu:SIZE, disk:SIZE[:OPTION...] or "
+                         f"vllm-disk:SIZE[:OPTION...]")
     if len(parts) < 2 or not parts[1]:
-        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:8GiB")
-    size = parse_size(parts[1])
-    opts = [p.lower() for p in parts[2:]]
-    if kind == "cpu" and opts:
-        raise ValueError(f"bad tier {text!r}: cpu takes no options")
-    if any(o != "pagecache" for o in opts) or len(opts) > 1:
-        raise ValueError(f"bad tier {text!r}: the only disk option is 'pagecache'")
-    return TierSpec(kind, size, bool(opts), text=text.strip())
+        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:100GB")
+    try:
+        size = parse_bytes("size", parts[1])
+    except ValueError as e:
+        raise ValueError(f"bad tier {text!r}: {e}") from None
+    if kind == "cpu":
+        if len(parts) > 2:
+            raise ValueError(f"bad tier {text!r}: cpu takes no options")
+        return TierSpec("cpu", size, text=spec)
+    pipe = KVOFFLOAD if kind == "disk" else VLLM_033
+    seen: set[str] = set()
+    for opt in parts[2:]:
+        name, _, value = opt.partition("=")
+        name = name.lower()
+        if name not in _OPTIONS[kind]:
+            raise ValueError(f"bad tier {text!r}: unknown option {opt!r}; {kind} takes "
+                             f"{', '.join(_OPTIONS[kind])}")
+        if name in seen:
+            raise ValueError(f"bad tier {text!r}: option {name} given twice")
+        seen.add(name)
+        if (name == "pagecache") != (not value):
+            raise ValueError(f"bad tier {text!r}: " + ("pagecache takes no value" if name == "pagecache"
+                                                       else f"{name} needs a value, e.g. {name}=4"))
+        if name == "pagecache":
+            pipe = replace(pipe, page_cache=True)
+        elif name == "threads":
+            pipe = replace(pipe, threads=_int_option(text, name, value))
+        elif name == "ios-per-thread":
+            pipe = replace(pipe, ios_per_thread=_int_option(text, name, value))
+        elif name == "paths":
+            pipe = replace(pipe, paths=_int_option(text, name, value))
+        elif name == "unit":
+            try:
+                pipe = replace(pipe, unit_bytes=parse_bytes("unit", value))
+            except ValueError as e:
+                raise ValueError(f"bad tier {text!r}: {e}") from None
+        else:  # seal
+            if value not in SEALS:
+                raise ValueError(f"bad tier {text!r}: seal={value!r}: use one of {', '.join(SEALS)}")
+            pipe = replace(pipe, seal=value)
+    return TierSpec(kind, size, pipe, spec)

@@ -2,12 +2,14 @@
 
 Mooncake: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}`` with one
 id per 512-token block, the partial last block included. kvsim: ``{"arrival_us",
-"input_length", "output_length", "hash_ids", "block_tokens"?}`` (block_tokens
-defaults to 512). The format is told by the first record's keys.
+"input_length", "output_length", "hash_ids", "block_tokens"?, "phase"?}`` (block_tokens
+defaults to 512; phase, a name such as ``fill``, groups requests in the report). The
+format is told by the first record's keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -32,6 +34,7 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    phase: Optional[str] = None
 
 
 def _int_field(rec: dict, key: str, where: str, minimum: int) -> int:
@@ -54,12 +57,16 @@ def _parse(rec: object, fmt: Optional[str], where: str) -> tuple[str, TraceReque
         raise TraceError(f"{where}: {fmt} record lacks {', '.join(sorted(missing))}")
     n_in = _int_field(rec, "input_length", where, 1)
     n_out = _int_field(rec, "output_length", where, 0)
+    phase = None
     if fmt == "mooncake":
         arrival_ns = _int_field(rec, "timestamp", where, 0) * 1_000_000
         block = MOONCAKE_BLOCK_TOKENS
     else:
         arrival_ns = _int_field(rec, "arrival_us", where, 0) * 1_000
         block = _int_field(rec, "block_tokens", where, 1) if "block_tokens" in rec else MOONCAKE_BLOCK_TOKENS
+        phase = rec.get("phase")
+        if phase is not None and not (isinstance(phase, str) and phase):
+            raise TraceError(f"{where}: 'phase' must be a non-empty string, got {phase!r}")
     ids = rec["hash_ids"]
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
         raise TraceError(f"{where}: 'hash_ids' must be a list of non-negative integers")
@@ -68,7 +75,7 @@ def _parse(rec: object, fmt: Optional[str], where: str) -> tuple[str, TraceReque
             f"{where}: {len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{block}) = "
             f"{math.ceil(n_in / block)} (one per {block}-token block, the partial last one included)"
         )
-    return fmt, TraceRequest(arrival_ns, n_in, n_out, tuple(ids), block)
+    return fmt, TraceRequest(arrival_ns, n_in, n_out, tuple(ids), block, phase)
 
 
 def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Iterator[TraceRequest]:
@@ -114,8 +121,7 @@ def read_trace(
             if sample < 1 and not _keep(req, sample, seed):
                 continue
             if time_scale != 1:
-                req = TraceRequest(round(req.arrival_ns * time_scale), req.input_length,
-                                   req.output_length, req.hash_ids, req.block_tokens)
+                req = dataclasses.replace(req, arrival_ns=round(req.arrival_ns * time_scale))
             out.append(req)
             if limit is not None and len(out) >= limit:
                 break
@@ -128,4 +134,6 @@ def write_kvsim(requests: Iterable[TraceRequest], f: IO[str]) -> None:
     for r in requests:
         rec = {"arrival_us": r.arrival_ns // 1_000, "input_length": r.input_length,
                "output_length": r.output_length, "block_tokens": r.block_tokens, "hash_ids": list(r.hash_ids)}
+        if r.phase is not None:
+            rec["phase"] = r.phase
         f.write(json.dumps(rec, separators=(",", ":")) + "\n")

@@ -1,7 +1,8 @@
-"""``python -m kvsim``: JSON, table, plot, errors, and the real Mooncake trace if present."""
+"""``python -m kvsim``: JSON, table, plot, flag checks, hitrate, and the real Mooncake trace if present."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,15 +23,37 @@ def test_json_is_byte_identical_across_runs(capsys):
     doc = json.loads(first)
     assert [t["tier"] for t in doc["tiers"]] == ["none", "disk:32GiB"]
     assert doc["tiers"][1]["offload_hit_rate"] > 0 and doc["tiers"][0]["bytes_stored"] == 0
+    assert doc["io_profile"] == "h200-disk"
+
+
+def test_the_default_replay_shows_both_disk_tiers_and_each_phase(capsys):
+    assert main(["trace", "replay"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-32b" in out and "hardware h200-disk" in out
+    for text in ("vllm-disk:100GB", "disk:100GB", "fill TTFT P50", "reload TTFT P99", "IO threads busy",
+                 "stores queued at the end"):
+        assert text in out
 
 
 def test_table_and_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "out.png"
     assert main(ARGS + ["--plot", str(png)]) == 0
-    out = capsys.readouterr().out
-    assert "TTFT P99" in out and "disk:32GiB" in out
+    captured = capsys.readouterr()
+    assert "TTFT P99" in captured.out and "disk:32GiB" in captured.out
+    assert f"kvsim: wrote {png}" in captured.err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_problems_are_found_before_the_simulation(capsys, tmp_path, monkeypatch):
+    assert main(ARGS + ["--plot", str(tmp_path / "out")]) == 2
+    assert "name a file ending in .png, .svg, .pdf" in capsys.readouterr().err
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib"
+                        else real_find_spec(name, *a))
+    assert main(ARGS + ["--plot", str(tmp_path / "out.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err and captured.out == ""
 
 
 def test_generate_then_replay_the_file(capsys, tmp_path):
@@ -38,7 +61,47 @@ def test_generate_then_replay_the_file(capsys, tmp_path):
     assert main(["trace", "generate", "reload", "--contexts", "6", "-o", str(trace)]) == 0
     assert len(trace.read_text().splitlines()) == 12
     assert main(["trace", "replay", str(trace), "--tier", "cpu:8GiB", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["tiers"][0]["requests"] == 12
+    tier = json.loads(capsys.readouterr().out)["tiers"][0]
+    assert tier["requests"] == 12 and set(tier["phases"]) == {"fill", "reload"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1, got '0'"),
+    (["--max-num-batched-tokens", "-3"], "argument --max-num-batched-tokens: must be an integer >= 1"),
+    (["--kv-bytes-per-token", "x"], "argument --kv-bytes-per-token: expected an integer >= 1, got 'x'"),
+    (["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
+    (["--fill-rate", "0"], "argument --fill-rate: must be a number > 0, got '0'"),
+    (["--reload-rate", "nan"], "argument --reload-rate: must be a number > 0, got 'nan'"),
+    (["--gpu-kv", "lots"], "argument --gpu-kv: size='lots': expected an integer number of bytes"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--tier", "disk:1TB:threads=0"], "threads='0' must be an integer >= 1"),
+    ([MINI, "--time-scale", "0"], "argument --time-scale: must be a number > 0, got '0'"),
+    ([MINI, "--sample", "1.5"], "argument --sample: must be a fraction in (0, 1], got '1.5'"),
+    ([MINI, "--limit", "0"], "argument --limit: must be an integer >= 1, got '0'"),
+])
+def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "replay", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--time-scale", "3"], "--time-scale: trace flags; without a TRACE the reload scenario replays"),
+    (["--sample", "0.5", "--limit", "3"], "--sample, --limit: trace flags"),
+    ([MINI, "--contexts", "8"], "--contexts: reload-scenario flags; they do nothing with a TRACE"),
+    ([MINI, "--seed", "3"], "--seed: --seed only seeds --sample for a trace"),
+    (["--tier", "none", "--load-policy", "always"], "--load-policy: no offload tier to load from"),
+    (["--host-free", "64GiB"], "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
+    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB GPU; "
+                                "give the KV cache of one rank with --gpu-kv"),
+    (["--hardware", "nope.json"], "--hardware 'nope.json': no such file, and not one of h200-disk, h200-array"),
+])
+def test_flags_that_would_do_nothing_are_refused(capsys, argv, message):
+    assert main(["trace", "replay", *argv]) == 2
+    assert f"kvsim: error: {message}" in capsys.readouterr().err
 
 
 def test_bad_inputs_are_clear_errors(capsys, tmp_path):
@@ -48,14 +111,27 @@ def test_bad_inputs_are_clear_errors(capsys, tmp_path):
     assert f"kvsim: error: {bad}:2: not JSON" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trace", "replay", MINI, "--tier", "tape:1TB"])
-    assert "use none, cpu:<size>" in capsys.readouterr().err
+    assert "use none, cpu:SIZE, disk:SIZE" in capsys.readouterr().err
 
 
-def test_hitrate_oracle(capsys):
+def test_hitrate_oracle_table_and_json(capsys):
     assert main(["trace", "hitrate", MINI, "--capacity", "8GiB", "--capacity", "1TB"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rates = [float(l.rsplit(" ", 1)[1]) for l in lines]
+    rates = [float(line.rsplit(" ", 1)[1]) for line in lines]
     assert 0 < rates[0] < rates[1] < 1
+    assert main(["trace", "hitrate", MINI, "--capacity", "8GiB", "--capacity", "1TB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    full = [c["token_hit_rate"] for c in doc["capacities"]]
+    assert [round(r, 4) for r in full] == rates and full != rates  # full precision
+    assert [c["bytes"] for c in doc["capacities"]] == [8 << 30, 10**12]
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("trace replay", "trace generate", "trace hitrate", "calibrate"):
+        assert cmd in out
 
 
 @pytest.mark.skipif(not REAL.exists(), reason="the shared Mooncake trace is not present")

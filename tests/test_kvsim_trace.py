@@ -1,14 +1,15 @@
-"""Trace readers, tier specs and block keys."""
+"""Trace readers, tier specs and prompt units."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from kvsim.request import block_keys
-from kvsim.tiers import parse_size, parse_tier
+from kvsim.request import prompt_units
+from kvsim.tiers import KVOFFLOAD, VLLM_033, parse_bytes, parse_tier
 from kvsim.trace import TraceError, TraceRequest, parse_lines, read_trace
 
 MINI = Path(__file__).parent / "kvsim_fixtures" / "mini_mooncake.jsonl"
@@ -25,10 +26,10 @@ def test_mooncake_records_parse():
     assert reqs[1] == TraceRequest(3_000_000_000, 1000, 5, (0, 1), 512)
 
 
-def test_kvsim_records_parse_with_their_block_size():
+def test_kvsim_records_parse_with_their_block_size_and_phase():
     line = json.dumps({"arrival_us": 7, "input_length": 40, "output_length": 1, "hash_ids": [3, 4, 5],
-                       "block_tokens": 16})
-    assert list(parse_lines([line])) == [TraceRequest(7000, 40, 1, (3, 4, 5), 16)]
+                       "block_tokens": 16, "phase": "reload"})
+    assert list(parse_lines([line])) == [TraceRequest(7000, 40, 1, (3, 4, 5), 16, "reload")]
 
 
 @pytest.mark.parametrize("line, match", [
@@ -43,6 +44,12 @@ def test_kvsim_records_parse_with_their_block_size():
 def test_bad_records_name_their_line(line, match):
     with pytest.raises(TraceError, match=match):
         list(parse_lines([_rec(timestamp=5), line], "t"))
+
+
+def test_a_bad_phase_names_its_line():
+    line = '{"arrival_us": 0, "input_length": 1, "output_length": 1, "hash_ids": [0], "phase": 3}'
+    with pytest.raises(TraceError, match=r"^t:1: 'phase' must be a non-empty string, got 3"):
+        list(parse_lines([line], "t"))
 
 
 def test_unknown_first_record_format():
@@ -75,32 +82,56 @@ def test_empty_trace_is_an_error(tmp_path):
         read_trace(str(p))
 
 
-def test_block_keys_skip_partial_tails():
-    # 1000 tokens = one full 512 block (32 keys) + 488 tokens (30 full 16-token blocks).
-    keys = block_keys(TraceRequest(0, 1000, 1, (7, 9), 512), 16)
-    assert keys == list(range(7 * 32, 8 * 32)) + list(range(9 * 32, 9 * 32 + 30))
+def test_prompt_units_weigh_full_vllm_blocks_only():
+    # 1000 tokens = one full 512 block (32 vLLM blocks) + 488 tokens (30 full 16-token blocks).
+    u = prompt_units(TraceRequest(0, 1000, 1, (7, 9), 512), 16)
+    assert (u.keys, u.per_unit, u.last) == ([7, 9], 32, 30)
+    assert [u.blocks(n) for n in range(3)] == [0, 32, 62]
+    assert [u.within(b) for b in (0, 31, 32, 61, 62, 99)] == [0, 0, 1, 1, 2, 2]
+    # A last trace block shorter than one vLLM block holds nothing cacheable.
+    u = prompt_units(TraceRequest(0, 520, 1, (7, 9), 512), 16)
+    assert (u.keys, u.last, u.blocks(1)) == ([7], 32, 32)
     with pytest.raises(ValueError, match="not a multiple"):
-        block_keys(TraceRequest(0, 1000, 1, (7, 9), 512), 24)
+        prompt_units(TraceRequest(0, 1000, 1, (7, 9), 512), 24)
 
 
-def test_sizes_and_tier_specs():
-    assert parse_size("8GiB") == 8 << 30
-    assert parse_size("100GB") == 100 * 10**9
-    assert parse_size("1.5TB") == 1_500_000_000_000
+def test_sizes_follow_kvoffloads_parser():
+    assert parse_bytes("x", "8GiB") == 8 << 30
+    assert parse_bytes("x", "100GB") == 100 * 10**9
+    assert parse_bytes("x", "1.5TB") == 1_500_000_000_000
+    assert parse_bytes("x", "4096") == 4096
+
+
+def test_tier_specs_name_their_pipeline():
     assert parse_tier("none").kind == "none"
     t = parse_tier("disk:100GB:pagecache")
-    assert (t.kind, t.capacity_bytes, t.page_cache, t.label) == ("disk", 10**11, True, "disk:100GB:pagecache")
-    assert parse_tier("cpu:8GiB").page_cache is False
+    assert (t.kind, t.capacity_bytes, t.page_cache, t.text) == ("disk", 10**11, True, "disk:100GB:pagecache")
+    assert t.pipeline == dataclasses.replace(KVOFFLOAD, page_cache=True)
+    assert parse_tier("vllm-disk:1TB").pipeline == VLLM_033
+    assert parse_tier("cpu:8GiB").pipeline is None and not parse_tier("cpu:8GiB").page_cache
+    t = parse_tier("disk:1TB:threads=16:ios-per-thread=2:unit=4MiB:seal=xxh3:paths=4")
+    assert (t.pipeline.threads, t.pipeline.ios_per_thread, t.pipeline.unit_bytes, t.pipeline.seal,
+            t.pipeline.paths) == (16, 2, 4 << 20, "xxh3", 4)
+    assert parse_tier("vllm-disk:1TB:threads=4").pipeline.threads == 4
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("gpu:8GiB", "use none, cpu:<size>"),
+    ("gpu:8GiB", "use none, cpu:SIZE, disk:SIZE"),
     ("cpu", "cpu needs a size"),
     ("disk:", "disk needs a size"),
     ("cpu:8GiB:pagecache", "cpu takes no options"),
-    ("disk:8GiB:odirect", "the only disk option is 'pagecache'"),
-    ("disk:8 parsecs", "bad size"),
-    ("disk:0GB", "must be > 0"),
+    ("disk:8GiB:odirect", "unknown option 'odirect'; disk takes pagecache, threads"),
+    ("vllm-disk:8GiB:seal=xxh3", "unknown option 'seal=xxh3'; vllm-disk takes pagecache, threads, ios-per-thread"),
+    ("disk:8GiB:threads=0", r"threads='0' must be an integer >= 1"),
+    ("disk:8GiB:ios-per-thread=two", r"ios-per-thread='two' must be an integer >= 1"),
+    ("disk:8GiB:threads", "threads needs a value"),
+    ("disk:8GiB:pagecache=1", "pagecache takes no value"),
+    ("disk:8GiB:pagecache:pagecache", "option pagecache given twice"),
+    ("disk:8GiB:seal=rot13", "seal='rot13': use one of aes-gcm, xxh3, off"),
+    ("disk:8GiB:unit=0MiB", "unit='0MiB': must be > 0"),
+    ("cpu:8GiB+disk:1TB", "two-level tiers"),
+    ("disk:8 parsecs", r"^bad tier 'disk:8 parsecs': size='8 parsecs': expected an integer number of bytes"),
+    ("disk:0GB", r"^bad tier 'disk:0GB': size='0GB': must be > 0"),
 ])
 def test_bad_tier_specs(spec, match):
     with pytest.raises(ValueError, match=match):

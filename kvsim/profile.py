@@ -1,0 +1,134 @@
+"""The IO hardware profile: rates of the drive, page cache, host memory, PCIe and sealing.
+
+``python -m kvsim calibrate BENCH.json -o hw.json`` writes one from the output of
+``python -m kvoffload.bench --json`` (calibrate.py); ``--hardware hw.json`` (or a
+built-in name) uses it. Rates are GiB/s, as the bench prints them. The built-in
+profiles are the H200's own disk (the default) and four RAM-backed drives on the
+same host (the fast-drive array of the performance issue), both calibrated from
+the bench runs recorded in ``tests/data``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+PROFILE_DIR = Path(__file__).parent / "profiles"
+BUILTIN = {"h200-disk": "h200_disk.json", "h200-array": "h200_array.json"}
+DEFAULT_PROFILE = "h200-disk"
+SEALS = ("aes-gcm", "xxh3", "off")
+
+
+def bytes_per_ns(gib_s: float) -> float:
+    return gib_s * GiB / 1e9
+
+
+@dataclass(frozen=True)
+class DiskDirection:
+    """One direction of one drive under O_DIRECT.
+
+    An IO of ``b`` bytes alone takes ``latency_us + b / qd1_gib_s``; ``d`` IOs in
+    flight overlap up to the drive's best rate: ``min(max_gib_s, d * b / t(b))``.
+    """
+
+    latency_us: float
+    qd1_gib_s: float
+    max_gib_s: float
+
+    def rate(self, io_bytes: int, depth: float) -> float:
+        """Bytes per ns of the drive with ``depth`` IOs of ``io_bytes`` in flight."""
+        one = self.latency_us * 1e3 + io_bytes / bytes_per_ns(self.qd1_gib_s)
+        return min(bytes_per_ns(self.max_gib_s), depth * io_bytes / one)
+
+
+@dataclass(frozen=True)
+class IoProfile:
+    name: str
+    source: str  # what it was fitted from
+    drives: int  # independent drives; kvoffload puts one slot file on each
+    cpus: int  # the host's cores: kvoffload sizes its IO threads by them
+    disk_read: DiskDirection
+    disk_write: DiskDirection
+    # One thread's buffered copy out of (into) the page cache; all threads together
+    # are bounded by host_io_gib_s.
+    page_cache_read_gib_s: float
+    page_cache_write_gib_s: float
+    # File IO of all threads through host memory: the staging buffers, the seal and
+    # the DMA each move the bytes through DRAM again (docs/performance.md).
+    host_io_gib_s: float
+    # One stream of pinned copies (vLLM's per-block copies, the DRAM tier), with a
+    # fixed cost per copy call.
+    pcie_h2d_gib_s: float
+    pcie_d2h_gib_s: float
+    copy_call_us: float
+    # kvoffload's batched unit copies from all its IO threads together.
+    seam_h2d_gib_s: float
+    seam_d2h_gib_s: float
+    # One thread sealing (encrypting or checksumming) or opening a slot.
+    seal_gib_s: dict[str, float] = field(default_factory=dict)
+    # Where each figure came from, and per bench case its measured and predicted
+    # seconds (calibrate.py): for the record.
+    notes: list[str] = field(default_factory=list)
+    fidelity: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rates = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name.endswith("_gib_s") and f.name != "seal_gib_s"}
+        for d in ("disk_read", "disk_write"):
+            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items() if k != "latency_us"})
+        rates.update({f"seal_gib_s.{k}": v for k, v in self.seal_gib_s.items()})
+        for name, v in rates.items():
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
+        for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
+                        ("disk_read.latency_us", self.disk_read.latency_us),
+                        ("disk_write.latency_us", self.disk_write.latency_us)):
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
+        for name, v in (("drives", self.drives), ("cpus", self.cpus)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
+        if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
+            raise ValueError(f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
+
+    def seal_ns_per_byte(self, seal: str) -> float:
+        return 0.0 if seal == "off" else 1.0 / bytes_per_ns(self.seal_gib_s[seal])
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> "IoProfile":
+        if not isinstance(doc, dict):
+            raise ValueError(f"{where}: a hardware profile is a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        if unknown := sorted(set(doc) - names):
+            raise ValueError(f"{where}: unknown profile key(s) {', '.join(unknown)}")
+        if missing := sorted(required - set(doc)):
+            raise ValueError(f"{where}: profile lacks {', '.join(missing)}")
+        kw = dict(doc)
+        try:
+            for d in ("disk_read", "disk_write"):
+                kw[d] = DiskDirection(**kw[d])
+            return cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+def load_profile(name_or_path: str) -> IoProfile:
+    """A built-in profile by name (``h200-disk``, ``h200-array``) or a JSON file by path."""
+    path = PROFILE_DIR / BUILTIN[name_or_path] if name_or_path in BUILTIN else Path(name_or_path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--hardware {name_or_path!r}: no such file, and not one of "
+                         f"{', '.join(BUILTIN)}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
+    return IoProfile.from_json(doc, str(path))

@@ -1,0 +1,93 @@
+"""Service times of one tier's transfers, from an IO profile and a disk pipeline.
+
+All times are ns per block (or per unit) on one IO thread while ``k`` threads of the
+same direction are busy. The threads share the drives (``k`` IOs of ``ios_per_thread``
+each, spread over the drives the slot files sit on), host memory (every byte of file
+IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and the
+PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
+DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
+one busy thread gets the whole drive, up to what one thread's queue depth reaches.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvsim.profile import IoProfile, bytes_per_ns
+from kvsim.tiers import Pipeline, kvoffload_threads
+
+
+class TransferModel:
+    def __init__(self, profile: IoProfile, pipe: Optional[Pipeline], block_bytes: int, slot_bytes: int) -> None:
+        p = profile
+        self.profile, self.pipe = p, pipe
+        self.block_bytes, self.slot_bytes = block_bytes, slot_bytes
+        self._call = p.copy_call_us * 1e3
+        self._pcie = {True: bytes_per_ns(p.pcie_h2d_gib_s), False: bytes_per_ns(p.pcie_d2h_gib_s)}
+        self._seam = {True: bytes_per_ns(p.seam_h2d_gib_s), False: bytes_per_ns(p.seam_d2h_gib_s)}
+        self._host = bytes_per_ns(p.host_io_gib_s)
+        self._page_cache = {False: bytes_per_ns(p.page_cache_read_gib_s), True: bytes_per_ns(p.page_cache_write_gib_s)}
+        if pipe is None:
+            return
+        self.paths = pipe.paths if pipe.paths is not None else p.drives
+        self.drives = min(self.paths, p.drives)
+        per_lane = pipe.threads if pipe.threads is not None else kvoffload_threads(p.cpus, self.paths)
+        self.threads = per_lane * self.paths  # per direction: a lane of threads per slot file
+        self._seal = block_bytes * p.seal_ns_per_byte(pipe.seal)
+        self.rows = max(1, pipe.unit_bytes // slot_bytes) if pipe.unit_bytes else 0
+
+    # -- per block, one of k busy threads -------------------------------------------
+
+    def disk_ns(self, k: int, write: bool) -> float:
+        """O_DIRECT IO of one slot."""
+        d = self.profile.disk_write if write else self.profile.disk_read
+        depth = k * self.pipe.ios_per_thread / self.drives
+        drives = min(self.drives * d.rate(self.slot_bytes, depth), self._host)
+        return self.slot_bytes * k / drives
+
+    def page_cache_ns(self, k: int, write: bool) -> float:
+        """A buffered copy of one slot out of (into) the page cache."""
+        return max(self.slot_bytes / self._page_cache[write], self.slot_bytes * k / self._host)
+
+    def io_ns(self, k: int, write: bool) -> float:
+        """A store's IO of one block: a copy into the page cache, or an O_DIRECT write."""
+        return self.page_cache_ns(k, write) if self.pipe.page_cache and write else self.disk_ns(k, write)
+
+    # -- copies -------------------------------------------------------------------
+
+    def copy_ns(self, num_blocks: int, to_device: bool) -> float:
+        """One call on one stream of pinned copies (the DRAM tier's job, vLLM's block)."""
+        return self._call + num_blocks * self.block_bytes / self._pcie[to_device]
+
+    def unit_copy_ns(self, rows: int, k: int, to_device: bool) -> float:
+        """kvoffload's batched copy of a unit, its threads sharing the link."""
+        return self._call + rows * self.block_bytes * k / self._seam[to_device]
+
+    # -- units --------------------------------------------------------------------
+
+    def store_unit(self, rows: int, k: int) -> tuple[int, int]:
+        """(thread busy, done after start) of a store unit of ``rows`` blocks."""
+        if self.rows:  # kvoffload: copy the unit, then seal and write each slot
+            t = self.unit_copy_ns(rows, k, False) + rows * (self._seal + self.io_ns(k, True))
+            return round(t), round(t)
+        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False))
+
+    def load_unit(self, rows: int, hits: int, k: int) -> tuple[int, int]:
+        """(thread busy, done after start) of a load unit; ``hits`` rows are in the page cache."""
+        hit, miss = self.page_cache_ns(k, False), self.disk_ns(k, False)
+        if self.rows:
+            # Read and open the unit, then copy it to the GPU while the thread reads
+            # its next unit: the thread is held for the longer of the two.
+            read = hits * (hit + self._seal) + (rows - hits) * (miss + self._seal)
+            copy = self.unit_copy_ns(rows, k, True)
+            return round(max(read, copy)), round(read + copy)
+        return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True))
+
+    def _pipelined(self, rows: int, hits: int, io: float, hit_io: float, dma: float) -> tuple[int, int]:
+        """vLLM 0.33: block by block, each block's copy overlapping the next one's IO
+        through two staging slots: the slower stage sets the pace, the other is paid once."""
+        io += self._seal
+        hit_io += self._seal
+        first = min(hit_io if hits else io, dma)
+        t = first + hits * max(hit_io, dma) + (rows - hits) * max(io, dma)
+        return round(t), round(t)
