@@ -12,7 +12,7 @@ VLLM_VERSION := 0.33.0
 # The CPU build on this machine's local wheel store; give another spec where there is none.
 TORCH_SPEC ?= torch==2.13.0
 # Bounds from vLLM 0.33.0's own requirements where it pins one.
-VLLM_IMPORT_DEPS := psutil pyzmq regex requests urllib3 cloudpickle py-cpuinfo cachetools msgspec \
+VLLM_IMPORT_DEPS := psutil pyzmq regex requests urllib3 cloudpickle py-cpuinfo cachetools msgspec einops pillow \
 	cbor2 pybase64 aiohttp uvloop fastapi openai openai-harmony prometheus_client \
 	partial_json_parser "transformers>=5.16.1,<5.21.0" "llguidance>=1.7.0,<1.8.0"
 # Imported, never run here; their own dependencies would add triton (1 GB).

@@ -35,7 +35,7 @@ from kvoffload.disk_backend import DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.jobs import JobEvent
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
-from kvsim.slot_pool import SlotPool
+from kvoffload.slot_pool import SlotPool
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvsim.slot_pool import prefix_length
+from kvoffload.slot_pool import prefix_length
 
 
 class GpuPrefixCache:

@@ -24,7 +24,7 @@ from kvsim.hardware import Hardware
 from kvsim.io import IoStation, PageCache, WriteBack
 from kvsim.profile import IoProfile, bytes_per_ns
 from kvsim.request import Units
-from kvsim.slot_pool import SlotPool
+from kvoffload.slot_pool import SlotPool
 from kvsim.tiers import TierSpec
 from kvsim.transfer import TransferModel
 

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
 
 import kvoffload.vllm as kvv  # noqa: E402
-from kvsim.slot_pool import SlotPool  # noqa: E402
+from kvoffload.slot_pool import SlotPool  # noqa: E402
 from tests.vllm_harness import BLOCK_SIZE, EngineSpec, engine_configs  # noqa: E402
 
 NUM_SLOTS = 8  # SlotPool's; vLLM's pool has one more (its null block)

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvsim.slot_pool import SlotPool
+from kvoffload.slot_pool import SlotPool
 
 HASHES = st.lists(st.integers(0, 11), min_size=1, max_size=6)
 
@@ -110,6 +110,7 @@ class SlotPoolMachine(RuleBasedStateMachine):
         assert self.pool.num_cached() == len(self.cached)
         assert self.pool.num_in_flight() == len(self.in_flight)
         assert self.pool.num_pinned() == len(self.pins)
+        assert self.pool.check()
 
     @invariant()
     def no_hit_on_failed_or_dropped(self) -> None:
