@@ -46,6 +46,8 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 
+from kvoffload.disk_backend import DiskBackend  # noqa: E402
+
 BLOCK_SIZE = 16  # tokens per block
 ROW_BYTES = 1152  # KV bytes per token: a block is 18,432 B, not a multiple of 4096 (O_DIRECT pads it)
 BLOCK_BYTES = BLOCK_SIZE * ROW_BYTES
@@ -361,6 +363,11 @@ class CpuEngine:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+        # vLLM's own connector never shuts its backend down (its IO threads are daemons);
+        # do it here so no test leaves threads behind for the next one to count.
+        backend = getattr(getattr(self.worker, "worker_handler", None), "_backend", None)
+        if isinstance(backend, DiskBackend):
+            backend.shutdown()
 
 
 def prompt(seed: int, n: int) -> list[int]:
