@@ -13,6 +13,11 @@ the chunk size (best queue depth). The table (or ``--json``) comes last.
 vLLM's ``fs`` tier takes one ``root_dir``: with several ``--dir`` it runs on the first
 one, and the row ``fs sharded`` gives it one ``fs`` tier per directory with chunks split
 between them by the bench (vLLM itself would send every chunk to every tier).
+
+``--tiers kvoffload-direct`` needs no vLLM: it drives kvoffload's ``SlotTier`` (the whole
+tier under the vLLM class) over an anonymous-memory primary with the same jobs, for
+hosts where vLLM cannot be installed (the GPU host here); its rows compare with the raw
+ceiling only.
 """
 
 from __future__ import annotations
@@ -96,6 +101,15 @@ class Driver:
     def key(self, i: int) -> Any:
         return self._key(i.to_bytes(8, "big"), 0)
 
+    def submit(self, tier: Any, job_id: int, keys: list, chunks: np.ndarray, is_store: bool) -> None:
+        job = self._job(job_id=job_id, keys=keys, chunk_ids=chunks, is_promotion=not is_store,
+                        req_context=self._ctx)
+        (tier.submit_store if is_store else tier.submit_load)(job)
+
+    @staticmethod
+    def finished(tier: Any) -> list:
+        return list(tier.get_finished_jobs())
+
     def run(self, keys: list[int], chunks: list[int], is_store: bool, per_job: int) -> None:
         """Submit ``keys`` (with primary rows ``chunks``) in jobs of ``per_job``; wait for all."""
         pending: dict[int, Any] = {}
@@ -103,21 +117,62 @@ class Driver:
             mine = list(range(t, len(keys), len(self.tiers)))
             for s in range(0, len(mine), per_job):
                 part = mine[s:s + per_job]
-                job = self._job(job_id=self._next_id, keys=[self.key(keys[i]) for i in part],
-                                chunk_ids=np.array([chunks[i] for i in part], dtype=np.int64),
-                                is_promotion=not is_store, req_context=self._ctx)
+                pending[self._next_id] = tier
+                self.submit(tier, self._next_id, [self.key(keys[i]) for i in part],
+                            np.array([chunks[i] for i in part], dtype=np.int64), is_store)
                 self._next_id += 1
-                pending[job.job_id] = tier
-                (tier.submit_store if is_store else tier.submit_load)(job)
         while pending:
             got = False
             for tier in self.tiers:
-                for r in tier.get_finished_jobs():
+                for r in self.finished(tier):
                     del pending[r.job_id]
                     self.failed += not r.success
                     got = True
             if not got:
                 time.sleep(POLL_S)
+
+
+class DirectDriver(Driver):
+    """The same jobs straight into kvoffload's ``SlotTier``, without vLLM."""
+
+    def __init__(self, tiers: list, chunk_bytes: int) -> None:
+        self.tiers, self.chunk_bytes = tiers, chunk_bytes
+        self._next_id = 0
+        self.failed = 0
+
+    def key(self, i: int) -> Any:
+        return i
+
+    def submit(self, tier: Any, job_id: int, keys: list, chunks: np.ndarray, is_store: bool) -> None:
+        (tier.submit_store if is_store else tier.submit_load)(job_id, keys, chunks)
+
+    @staticmethod
+    def finished(tier: Any) -> list:
+        return tier.poll()
+
+
+class DirectManager:
+    """What the bench needs of vLLM's tiering manager: a primary and the tiers, here one
+    ``SlotTier`` over anonymous memory."""
+
+    def __init__(self, entry: dict, chunk_bytes: int, primary_chunks: int) -> None:
+        import mmap
+
+        from kvoffload.vllm_tier import SlotTier, TierConfig
+
+        self._mem = mmap.mmap(-1, primary_chunks * chunk_bytes)
+        self._view = memoryview(self._mem).cast("B", (primary_chunks, chunk_bytes))
+        self.primary_tier = self
+        self.secondary_tiers = [SlotTier(self._view, TierConfig.from_tier_config(entry))]
+
+    def get_kv_memoryview(self) -> memoryview:
+        return self._view
+
+    def shutdown(self) -> None:
+        for t in self.secondary_tiers:
+            t.close()
+        self._view.release()
+        self._mem.close()
 
 
 def timed(fn) -> Timed:
@@ -145,16 +200,18 @@ def run_tier(name: str, entries: list[dict], workdirs: list[str], a: argparse.Na
              primary_chunks: int, chunk_bytes: int, seed: int) -> TierRun:
     """Store ``n`` chunks through the tier(s), drop caches, load them back in waves; check."""
     run = TierRun(name, workdirs)
-    manager = build_manager(entries, chunk_bytes, primary_chunks)
+    direct = name == "kvoffload-direct"
+    manager = DirectManager(entries[0], chunk_bytes, primary_chunks) if direct else \
+        build_manager(entries, chunk_bytes, primary_chunks)
     try:
-        _store_and_load(run, manager, a, n, primary_chunks, chunk_bytes, seed)
+        _store_and_load(run, manager, a, n, primary_chunks, chunk_bytes, seed, DirectDriver if direct else Driver)
     finally:
         manager.shutdown()
     return run
 
 
 def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, primary_chunks: int,
-                    chunk_bytes: int, seed: int) -> None:
+                    chunk_bytes: int, seed: int, driver: type = Driver) -> None:
     # The primary's rows as numpy (a view: gone when this returns, before the manager
     # shuts down and unmaps the primary).
     rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
@@ -162,7 +219,7 @@ def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, p
     rows[:] = np.random.default_rng(seed).integers(0, 256, rows.shape, dtype=np.uint8)
     want = rows.copy()
     src = [i % primary_chunks for i in range(n)]
-    drv = Driver(list(manager.secondary_tiers), chunk_bytes)
+    drv = driver(list(manager.secondary_tiers), chunk_bytes)
     run.store = timed(lambda: drv.run(list(range(n)), src, True, a.job_chunks))
     run.store.nbytes = n * chunk_bytes
     run.files = count_files(run.dirs)
@@ -208,13 +265,14 @@ def bench(a: argparse.Namespace) -> dict:
                           "qd": t.detail["qd"]} for k, t in raw.items()}
         print(f"raw over {len(dirs)} dir(s): " + ", ".join(f"{k} {t.gib_s:.2f} GiB/s (qd {t.detail['qd']})"
                                                           for k, t in raw.items()), file=sys.stderr)
-    cases = [("kvoffload", len(dirs)), ("fs", 1)] + ([("fs sharded", len(dirs))] if len(dirs) > 1 else [])
+    cases = [("kvoffload", len(dirs)), ("kvoffload-direct", len(dirs)), ("fs", 1)] + (
+        [("fs sharded", len(dirs))] if len(dirs) > 1 else [])
     for name, ndirs in cases:
         if name.split()[0] not in a.tiers.split(","):
             continue
         workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
         try:
-            if name == "kvoffload":
+            if name.startswith("kvoffload"):
                 entry = {"type": "KvoffloadTier", "module_path": "kvoffload.vllm_tier",
                          "disk_paths": [os.path.join(w, "kv.bin") for w in workdirs],
                          "disk_capacity_bytes": n * chunk_bytes}
@@ -276,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "16 tokens)")
     p.add_argument("--job-chunks", type=int, default=16, help="chunks per submit_store / submit_load job (16)")
     p.add_argument("--primary-gib", type=float, default=1.0, help="GiB of CPU primary; loads go in waves of it (1)")
-    p.add_argument("--tiers", default="kvoffload,fs", help="comma list of kvoffload, fs")
+    p.add_argument("--tiers", default="kvoffload,fs",
+                   help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM)")
     p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="seconds per raw queue depth (0.5)")
