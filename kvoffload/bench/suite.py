@@ -659,8 +659,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             dirs = [{"path": d, "fs": fs_type(d)} for d in cfg.dirs]  # while an array is still mounted
             nbytes, runs, drops, leftovers = run_all(cfg, given, array, prof, a.runs)
     except KeyboardInterrupt as e:
-        print(f"kvoffload bench: interrupted ({e or 'Ctrl-C'}); its files"
-              f"{' and drives' if array is not None else ''} were removed", file=sys.stderr)
+        removed = "its files were removed"
+        if array is not None:
+            removed = ("its files and drives were removed" if not array.teardown_errors
+                       else "its files were removed, its drives NOT fully (see above)")
+        print(f"kvoffload bench: interrupted ({e or 'Ctrl-C'}); {removed}", file=sys.stderr)
         return 130
     rows = report.summarize(runs)
     torn_down = array is None or not array.teardown_errors
