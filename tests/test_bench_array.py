@@ -85,16 +85,20 @@ def test_array_is_torn_down_after_an_error_inside():
 
 
 @needs_array
-def test_ctrl_c_in_the_middle_of_building_undoes_what_was_built(monkeypatch):
+@pytest.mark.parametrize("cut", ["mkfs", "losetup", "mount"])
+def test_ctrl_c_in_the_middle_of_building_undoes_what_was_built(monkeypatch, cut):
+    """Ctrl-C on the second drive: during its mkfs, or right after its losetup or mount took
+    effect but before the array recorded it. Teardown still finds and undoes everything."""
     real = ram_array._run
-    loops: list[str] = []
+    calls: list[str] = []
 
     def run(cmd):
-        if cmd[0].startswith("mkfs") and len(loops) == 2:  # the second drive's mkfs
+        calls.append(cmd[0])
+        if cmd[0].startswith("mkfs") and cut == "mkfs" and calls.count(cmd[0]) == 2:
             raise KeyboardInterrupt
         out = real(cmd)
-        if cmd[0] == "losetup" and "--show" in cmd:
-            loops.append(out.strip())
+        if cmd[0] == cut and calls.count(cut) == 2:
+            raise KeyboardInterrupt
         return out
 
     monkeypatch.setattr(ram_array, "_run", run)
@@ -102,10 +106,10 @@ def test_ctrl_c_in_the_middle_of_building_undoes_what_was_built(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         with a:
             pass
-    assert len(loops) == 2 and a.teardown_errors == []
+    assert a.teardown_errors == [] and a.root is None
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert not any(f"{ram_array.IMAGE_PREFIX}{os.getpid()}-" in line for line in attached.splitlines())
-    assert leftovers(a.made, os.getpid()) == [] and a.root is None
+    assert leftovers(a.made, os.getpid()) == []
 
 
 @needs_array

@@ -49,8 +49,8 @@ class Interrupted(KeyboardInterrupt):
 @dataclass
 class Drive:
     image: str
+    mountpoint: str
     loop: Optional[str] = None
-    mountpoint: Optional[str] = None
     mounted: bool = False
 
 
@@ -106,16 +106,18 @@ class RamArray:
         self.root = tempfile.mkdtemp(prefix="kvoffload-array-")
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"  # the pid first: stale_images() reads it
         for i in range(self.count):
-            d = Drive(os.path.join(self.shm_dir, f"{IMAGE_PREFIX}{tag}-d{i}.img"))
+            image = os.path.join(self.shm_dir, f"{IMAGE_PREFIX}{tag}-d{i}.img")
+            d = Drive(image, os.path.join(self.root, f"d{i}"))
+            # Recorded before each step: an interrupt between a step and its record
+            # must not hide what the step made (teardown looks on the system too).
+            self.drives.append(d)
             fd = os.open(d.image, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-            self.drives.append(d)  # recorded before anything else can fail
             try:
                 os.ftruncate(fd, self.bytes_each)
             finally:
                 os.close(fd)
             d.loop = _run(["losetup", "-f", "--show", d.image]).strip()
             _run([*MKFS[self.fs], d.loop])
-            d.mountpoint = os.path.join(self.root, f"d{i}")
             os.mkdir(d.mountpoint, 0o700)
             _run(["mount", d.loop, d.mountpoint])
             d.mounted = True
@@ -147,12 +149,16 @@ class RamArray:
             raise Interrupted(f"signal {got[0]} during teardown")
 
     def _undo(self, d: Drive) -> None:
-        if d.mounted:
-            d.mounted = not self._step(f"umount {d.mountpoint}", lambda: _umount(d.mountpoint))
-        if d.mountpoint is not None and not d.mounted:
-            self._step(f"rmdir {d.mountpoint}", lambda: os.rmdir(d.mountpoint), missing_ok=True)
-        if d.loop is not None and not d.mounted:
-            self._step(f"losetup -d {d.loop}", lambda: _run(["losetup", "-d", d.loop]))
+        # What the system says, not only the records: a mount or losetup that an
+        # interrupt cut off after it took effect left no record.
+        if os.path.ismount(d.mountpoint):
+            if not self._step(f"umount {d.mountpoint}", lambda: _umount(d.mountpoint)):
+                return  # still mounted: its loop device and image stay, named above
+        d.mounted = False
+        self._step(f"rmdir {d.mountpoint}", lambda: os.rmdir(d.mountpoint), missing_ok=True)
+        loops = _loops_of(d.image)
+        for loop in loops if loops is not None else [d.loop] if d.loop else []:
+            self._step(f"losetup -d {loop}", lambda: _run(["losetup", "-d", loop]))
         self._step(f"rm {d.image}", lambda: os.unlink(d.image), missing_ok=True)
 
     def _step(self, what: str, fn, missing_ok: bool = False) -> bool:
@@ -201,6 +207,17 @@ def _run(cmd: list[str]) -> str:
     if p.returncode != 0:
         raise subprocess.CalledProcessError(p.returncode, cmd, p.stdout, p.stderr)
     return p.stdout
+
+
+def _loops_of(image: str) -> Optional[list[str]]:
+    """Loop devices attached to ``image`` (``losetup -j``), or None if it cannot tell."""
+    if not os.path.exists(image):
+        return []
+    try:
+        out = _run(["losetup", "-j", image])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.split(":", 1)[0] for line in out.splitlines() if line.strip()]
 
 
 def _umount(path: str) -> None:
