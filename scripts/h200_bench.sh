@@ -60,8 +60,8 @@ step() {  # step NAME LIMIT_S ARGS...: one bench run to $OUT/NAME.json, progress
     start=$(date +%s)
     timeout -k 30 "$limit" "$PY" -m kvoffload.bench --json "${COMMON[@]}" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
     rc=$?
-    echo "step $name: exit $rc after $(($(date +%s) - start)) s (limit $limit s)$([ $rc = 124 ] && echo ': TIMED OUT')" \
-        | tee -a "$OUT/steps.txt"
+    echo "step $name: exit $rc after $(($(date +%s) - start)) s (limit $limit s)$([ $rc = 124 ] && echo ', TIMED OUT')" |
+        tee -a "$OUT/steps.txt"
     [ $rc = 0 ] || tail -n 3 "$OUT/$name.log" | sed 's/^/    /'
 }
 

@@ -132,11 +132,12 @@ def full(result: dict) -> str:
     lines = [f"kvoffload bench on {m['device']}, {m['cpus']} CPUs, torch {m['torch']}; files in {fs}"]
     if result.get("array"):
         a = result["array"]
+        down = "ok" if a["teardown"] == "ok" else f"FAILED: {a['teardown']}"
         lines.append(f"RAM-backed array: {a['drives']} {a['fs']} drive(s) of {a['bytes_each'] / 2**30:g} GiB over "
-                     f"{a['shm_dir']}; teardown {a['teardown'] if a['teardown'] == 'ok' else 'FAILED: ' + str(a['teardown'])}")
+                     f"{a['shm_dir']}; teardown {down}")
     lines += [
-        f"{c['bytes_per_case'] / 2**20:.0f} MiB per pass, every case over >= {c['case_seconds']:g} s, {c['runs']} run(s), "
-        f"slots {c['slots']}, {c['job_bytes'] / 2**20:g} MiB per job, {c['io_threads_used']} IO threads per lane, "
+        f"{c['bytes_per_case'] / 2**20:.0f} MiB per pass, every case over >= {c['case_seconds']:g} s, "
+        f"{c['runs']} run(s), slots {c['slots']}, {c['job_bytes'] / 2**20:g} MiB per job, {c['io_threads_used']} IO threads per lane, "
         f"{c['io_unit_bytes'] / 2**20:g} MiB IO units; raw = best of queue depths {c['queue_depths']}",
         result["cache_drop"]["summary"],
         c["host_bound"]["formula"],
