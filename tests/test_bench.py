@@ -200,3 +200,30 @@ def test_dram_backend_round_trip(device):
     finally:
         b.shutdown()
         b.shutdown()
+
+
+def test_an_interrupt_leaves_no_measurement_thread_running():
+    """Ctrl-C or SIGTERM while threads are released: they are stopped and joined before the
+    interrupt goes on (a thread still in torch code at interpreter exit aborts the process)."""
+    import threading
+
+    from kvoffload.bench.ceilings import run_all_threads
+
+    start, halt = threading.Barrier(5), threading.Event()
+    moved = []
+
+    def worker():
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:
+            return
+        while not halt.is_set():
+            moved.append(torch.ones(1024).sum())
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        run_all_threads(threads, start, halt, interrupted)
+    assert not any(t.is_alive() for t in threads) and halt.is_set() and start.broken

@@ -29,8 +29,8 @@ import torch
 
 from kvoffload.bench import report
 from kvoffload.bench.ceilings import (
-    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_io,
-    sweep, warm,
+    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
+    run_io, sweep, warm,
 )
 from kvoffload.bench.dram_backend import CpuBackend
 from kvoffload.bench.ram_array import RamArray, preflight, termination_as_interrupt
@@ -374,11 +374,8 @@ class Bench:
                             poison_blocks(caches, ids)
                         sw = Stopwatch(cfg.device)
                         with self.profiled(), sw:
-                            ts = [threading.Thread(target=copy_units, args=(k, ids, is_store)) for k in range(threads)]
-                            for t in ts:
-                                t.start()
-                            for t in ts:
-                                t.join()
+                            run_all_threads([threading.Thread(target=copy_units, args=(k, ids, is_store))
+                                             for k in range(threads)])
                         acc.nbytes += len(ids) * L.block_bytes
                         acc.seconds += sw.seconds
                         acc.cpu_seconds += sw.cpu_seconds
