@@ -112,34 +112,47 @@ def test_ctrl_c_in_the_middle_of_building_undoes_what_was_built(monkeypatch, cut
     assert leftovers(a.made, os.getpid()) == []
 
 
-@needs_array
-def test_sigterm_during_a_run_tears_the_array_down():
+def sigterm_bench(wait_for: str, *args: str) -> tuple[int, str, str]:
+    """Run the bench on a 1-drive array, SIGTERM it once ``wait_for`` shows in its progress."""
     cmd = [sys.executable, "-m", "kvoffload.bench", "--make-array", "1", "--array-gib", "0.25", "--device", "cpu",
-           "--layouts", "llama", "--modes", "direct", "--seals", "xxh3", "--only", "disk", "--gib", "0.0625",
-           "--case-seconds", "120"]
+           "--layouts", "llama", "--modes", "direct", "--seals", "xxh3", "--only", "disk", "--gib", "0.0625", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT})
     seen = ""
     try:
         deadline = time.monotonic() + 120
-        while "raw scratch file" not in seen and time.monotonic() < deadline:  # the cases are running
+        while wait_for not in seen and time.monotonic() < deadline:
             line = p.stderr.readline()
             if not line:
                 break
             seen += line
-        assert "raw scratch file" in seen, seen
+        assert wait_for in seen, seen
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
     seen += err
-    assert p.returncode == 130, seen
-    assert "interrupted" in seen and "drives were removed" in seen
+    assert p.returncode == 130, seen  # not -6: no thread was left in torch code at exit
+    assert "interrupted (signal 15)" in seen and "drives were removed" in seen
     mounts = re.findall(r"drive\(s\) of 0.25 GiB at (\S+)", seen)
     assert mounts, seen
     assert leftovers([{"mountpoint": mounts[0]}], p.pid) == []
+    return p.returncode, out, seen
+
+
+@needs_array
+def test_sigterm_while_the_drive_is_filled_tears_the_array_down():
+    sigterm_bench("raw scratch file", "--case-seconds", "120")
+
+
+@needs_array
+def test_sigterm_in_a_case_still_prints_the_cases_measured():
+    _, out, _ = sigterm_bench("llama raw direct-write", "--json", "--case-seconds", "1", "--raw-seconds", "0.05")
+    got = json.loads(out)
+    assert got["interrupted"] == "signal 15" and got["ok"] is False
+    assert got["cases"][0]["case"] == "llama raw direct-write" and got["array"]["teardown"] == "ok"
 
 
 def test_refused_without_root(monkeypatch):

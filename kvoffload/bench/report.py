@@ -23,7 +23,9 @@ def summarize(runs: list) -> list[dict]:
         per_run = []
         for cases in runs:
             by_name = {c.name: c for c in cases}
-            c = by_name[c0.name]
+            c = by_name.get(c0.name)
+            if c is None:  # a run cut short by an interrupt
+                continue
             ratios = {}
             for name in c.ceilings:
                 ceil = by_name.get(name)
@@ -146,6 +148,8 @@ def full(result: dict) -> str:
     ]
     if result["leftover_files"]:
         lines.append(f"LEFT BEHIND: {result['leftover_files']}")
+    if result.get("interrupted"):
+        lines.append(f"INTERRUPTED ({result['interrupted']}): only the cases measured before it")
     lines += seal_lines(result)
     lines += ["", table(result["cases"])]
     return "\n".join(lines)
@@ -164,8 +168,11 @@ def compact(result: dict, title: str) -> list[str]:
     m, c = result["machine"], result["config"]
     fs = ", ".join(sorted({d["fs"] for d in m["dirs"]}))
     where = f"{len(m['dirs'])} {fs} dir(s)" + (" (RAM-backed array)" if result.get("array") else "")
+    state = "ok" if result["ok"] else "NOT OK"
+    if result.get("interrupted"):
+        state += f", INTERRUPTED ({result['interrupted']}): partial"
     out = [f"== {title}: {m['device']}, {where}, {c['bytes_per_case'] >> 20} MiB/pass, "
-           f">= {c['case_seconds']:g} s/case, {'ok' if result['ok'] else 'NOT OK'}"]
+           f">= {c['case_seconds']:g} s/case, {state}"]
     by = {r["case"]: r for r in result["cases"]}
     for layout in c["layouts"]:
         ceil = []

@@ -113,11 +113,11 @@ class Config:
 
 
 class Bench:
-    def __init__(self, cfg: Config, profiler: Optional["ThreadProfiler"]) -> None:
+    def __init__(self, cfg: Config, profiler: Optional["ThreadProfiler"], drops: list[dict]) -> None:
         self.cfg = cfg
         self.prof = profiler
         self.cases: list[Case] = []
-        self.drops: list[dict] = []
+        self.drops = drops  # what each page-cache drop before a cold load did
         self.dev = make_device(cfg.device)
 
     def log(self, msg: str) -> None:
@@ -638,12 +638,25 @@ def config_from(a: argparse.Namespace) -> Config:
     )
 
 
+@dataclass
+class Outcome:
+    """What a bench process measured so far: complete at the end, partial after an interrupt."""
+
+    nbytes: int = 0
+    runs: list[list[Case]] = field(default_factory=list)  # the last one may be cut short
+    drops: list[dict] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+    dirs: list[dict] = field(default_factory=list)
+    interrupted: Optional[str] = None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     cfg = config_from(a)
     given = f"--gib {a.gib:.10g}" if a.gib else "--quick (8 MiB per case)"
     prof = ThreadProfiler() if a.profile else None
     array: Optional[RamArray] = None
+    got = Outcome()
     try:
         with termination_as_interrupt(), contextlib.ExitStack() as stack:
             if a.make_array is not None:
@@ -653,18 +666,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cfg.dirs = array.mountpoints
                 print(f"kvoffload bench: {a.make_array} RAM-backed {a.fs} drive(s) of {a.array_gib:g} GiB at "
                       f"{', '.join(cfg.dirs)}", file=sys.stderr)
-            dirs = [{"path": d, "fs": fs_type(d)} for d in cfg.dirs]  # while an array is still mounted
-            nbytes, runs, drops, leftovers = run_all(cfg, given, array, prof, a.runs)
+            got.dirs = [{"path": d, "fs": fs_type(d)} for d in cfg.dirs]  # while an array is still mounted
+            run_all(cfg, given, array, prof, a.runs, got)
     except KeyboardInterrupt as e:
+        got.interrupted = str(e) or "Ctrl-C"
         removed = "its files were removed"
         if array is not None:
             removed = ("its files and drives were removed" if not array.teardown_errors
                        else "its files were removed, its drives NOT fully (see above)")
-        print(f"kvoffload bench: interrupted ({e or 'Ctrl-C'}); {removed}", file=sys.stderr)
-        return 130
-    rows = report.summarize(runs)
+        print(f"kvoffload bench: interrupted ({got.interrupted}); {removed}"
+              + ("; the cases measured so far follow" if got.runs and got.runs[0] else ""), file=sys.stderr)
+        if not (got.runs and got.runs[0]):
+            return 130
+    rows = report.summarize([r for r in got.runs if r])
     torn_down = array is None or not array.teardown_errors
-    ok = all(r["verified"] is not False for r in rows) and not leftovers and torn_down
+    ok = (all(r["verified"] is not False for r in rows) and not got.leftovers and torn_down
+          and got.interrupted is None)
     if prof is not None:
         st = prof.dump(a.profile)
         if not a.json:
@@ -677,12 +694,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "dirs": dirs,
+        "dirs": got.dirs,
     }
     result = {
         "machine": machine,
         "config": {
-            "device": str(cfg.device), "runs": a.runs, "quick": a.quick, "bytes_per_case": nbytes,
+            "device": str(cfg.device), "runs": a.runs, "quick": a.quick, "bytes_per_case": got.nbytes,
             "layouts": {L.name: {"block_bytes": L.block_bytes, "tensors": len(L.tensor_bytes), "note": L.note}
                         for L in cfg.layouts},
             "modes": cfg.modes, "seals": cfg.seals, "only": sorted(cfg.only), "slots": cfg.slots,
@@ -692,43 +709,41 @@ def main(argv: Optional[list[str]] = None) -> int:
             "host_bound": {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4)},
         },
         "array": array.describe() if array is not None else None,
-        "cache_drop": {"summary": report.drop_summary(drops), "cases": drops},
+        "cache_drop": {"summary": report.drop_summary(got.drops), "cases": got.drops},
         "cases": rows,
         "seal_cost": report.seal_cost(rows),
-        "leftover_files": leftovers,
+        "leftover_files": got.leftovers,
         "all_verified": all(r["verified"] is not False for r in rows),
+        "interrupted": got.interrupted,
         "ok": ok,
     }
     if a.json:
         print(json.dumps(result, indent=1))
     else:
         print(report.full(result))
-    return 0 if ok else 1
+    return 130 if got.interrupted else 0 if ok else 1
 
 
-def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int):
-    """The runs, in private directories inside each --dir that are removed afterwards."""
+def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int, got: Outcome) -> None:
+    """The runs, in private directories inside each --dir that are removed afterwards.
+
+    ``got`` fills as cases finish, so an interrupt still leaves what was measured."""
     work: list[str] = []
-    runs: list[list[Case]] = []
-    drops: list[dict] = []
-    leftovers: list[str] = []
     try:
         for d in cfg.dirs:
             work.append(tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d))
-        nbytes = case_size(cfg, work, given, array)
-        print(f"kvoffload bench: {nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
+        got.nbytes = case_size(cfg, work, given, array)
+        print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
               f"{nruns} run(s), device {cfg.device}", file=sys.stderr)
         for i in range(nruns):
-            b = Bench(cfg, prof)
-            b.run(i, nbytes, work)
-            runs.append(b.cases)
-            drops.extend(b.drops)
+            b = Bench(cfg, prof, got.drops)
+            got.runs.append(b.cases)
+            b.run(i, got.nbytes, work)
     finally:
         for w in work:
             for root, _, files in os.walk(w):
-                leftovers += [os.path.join(root, f) for f in files]
+                got.leftovers += [os.path.join(root, f) for f in files]
             shutil.rmtree(w, ignore_errors=True)
-    return nbytes, runs, drops, leftovers
 
 
 if __name__ == "__main__":
