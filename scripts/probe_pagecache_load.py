@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from kvoffload.bench.suite import make_caches, make_jobs, poison, run_jobs, verify
+from kvoffload.bench.workload import make_caches, make_jobs, poison, run_jobs, verify
 from kvoffload.bench.ceilings import RawFile, run_threads, warm
 from kvoffload.device import BlockLayout, alloc_host, make_device, resolve_device
 from kvoffload.disk_backend import DiskBackend

@@ -1,7 +1,8 @@
 """`python -m kvoffload.bench --quick --json` on CPU: every figure present, every byte verified.
 
 No timing is asserted: the CI machine's rates mean nothing. What is checked is that
-each case ran, moved bytes, compared every loaded byte and left no file behind.
+each case ran, moved bytes, compared every loaded byte, was compared with the
+ceilings of its own run and left no file behind.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import json
 import os
 import pstats
 
+import pytest
 import torch
 
+from kvoffload.bench import report
 from kvoffload.bench import suite as bench
 
 DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
+STRIPE_OPS = ("store", "rewrite", "cold-load")
 
 
 def run_quick(capsys, tmp_path, *extra: str) -> dict:
@@ -28,37 +32,98 @@ def run_quick(capsys, tmp_path, *extra: str) -> dict:
 
 
 def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
-    out = run_quick(capsys, tmp_path, "--profile", str(tmp_path / "kv.prof"))
+    out = run_quick(capsys, tmp_path)
     assert out["ok"] and out["all_verified"] and out["leftover_files"] == []
     rows = {r["case"]: r for r in out["cases"]}
     want = []
     for name in bench.LAYOUTS:
         want += [f"{name} raw {k}" for k in ("direct-write", "direct-read", "buffered-read")]
-        want += [f"{name} pinned h2d", f"{name} pinned d2h", f"{name} host memcpy"]
-        want += [f"{name} dram store", f"{name} dram load"]
+        want += [f"{name} pinned h2d", f"{name} pinned d2h", f"{name} host memcpy", f"{name} host-memory bound"]
+        want += [f"{name} dram store", f"{name} dram load", f"{name} seam d2h", f"{name} seam h2d"]
         for mode in ("direct", "pagecache"):
             for seal in bench.SEALS:
                 want += [f"{name} {mode} {seal} {op}" for op in DISK_OPS]
-    want += ["llama seam d2h", "llama seam h2d"]
-    want += [f"llama stripe 2 paths 1 disk {op}" for op in ("store", "rewrite", "cold-load")]
-    want += [f"llama stripe 2 dirs {op}" for op in ("store", "rewrite", "cold-load")]
+    want += [f"llama stripe 2 paths 1 disk {op}" for op in STRIPE_OPS]
+    want += [f"llama stripe 2 dirs {seal} {op}" for seal in bench.SEALS for op in STRIPE_OPS]
     want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read")]
+    want += [f"seal {s} 1 thread" for s in ("aes-gcm", "xxh3")]
     assert sorted(set(want) - set(rows)) == []
     for r in out["cases"]:
         assert r["bytes"] > 0 and r["gib_s_best"] > 0 and r["gib_s_worst"] > 0, r
         assert r["cpu_s_per_gib"] is not None and r["cpu_s_per_gib"] >= 0, r
         if r["ceiling"] is not None:
             assert r["ceiling"] in rows and r["ratio"] > 0, r
+            # The ceiling's figure beside the case is that case's own figure in this run.
+            assert r["ceiling_gib_s"] == rows[r["ceiling"]]["gib_s_best"], r
+            assert r["ratio"] == pytest.approx(r["gib_s_best"] / r["ceiling_gib_s"], rel=1e-3, abs=1e-4)
         if r["case"].endswith(("load", "h2d")) and r["group"] not in ("raw", "copy"):
             assert r["verified"] is True, r  # every loaded byte was compared
         if r["group"] == "raw":
-            assert r["detail"]["qd"] in (1, 2, 4, 8, 16)
+            assert r["detail"]["qd"] in (1, 2, 4, 8, 16) and set(r["detail"]["by_qd"]) == {"1", "2", "4", "8", "16"}
+            assert r["detail"]["io_bytes"] > 0
+        if r["group"] in ("disk", "stripe"):  # the job geometry kvsim calibrates against
+            d = r["detail"]
+            for k in ("op", "mode", "seal", "blocks", "block_bytes", "slot_bytes", "jobs", "job_bytes", "io_threads",
+                      "io_unit_bytes", "paths", "drives", "passes"):
+                assert k in d, (k, r)
+            assert d["blocks"] * d["block_bytes"] == r["bytes"] // d["passes"]
+    # A striped case is compared with all drives' raw, then one drive's.
+    s = rows["llama stripe 2 dirs aes-gcm cold-load"]
+    assert list(s["ratios"]) == ["llama raw direct-read 2 dirs", "llama raw direct-read"]
+    assert rows["llama stripe 2 dirs xxh3 store"]["detail"]["drives"] == 2
+    # A first store is also compared with the rewrite after it; a page-cache warm load
+    # with the host-memory bound, 2/3 of the same run's memcpy.
+    assert "llama direct aes-gcm rewrite" in rows["llama direct aes-gcm store"]["ratios"]
+    assert rows["llama pagecache xxh3 warm-load"]["ceiling"] == "llama host-memory bound"
+    bound, memcpy = rows["llama host-memory bound"], rows["llama host memcpy"]
+    assert bound["gib_s_best"] == pytest.approx(memcpy["gib_s_best"] * 2 / 3, rel=1e-3)
+    assert "2/3" in out["config"]["host_bound"]["formula"]
+    # Encryption cost against checksums alone, for O_DIRECT and page cache.
+    costs = {(c["layout"], c["mode"], c["op"], c["drives"]) for c in out["seal_cost"]}
+    assert {("llama", "direct", "store", 1), ("llama", "direct", "cold-load", 1),
+            ("llama", "pagecache", "warm-load", 1), ("llama", "direct", "store", 2)} <= costs
     # Page-cache cold loads start with the file out of the cache, and the output says how.
     drops = out["cache_drop"]["cases"]
     assert drops and all(d["fadvise"] == "ok" for d in drops)
     assert all(d["resident_after"] is None or d["resident_after"] <= 0.01 for d in drops)
+
+
+def test_profile_covers_the_io_threads(capsys, tmp_path):
+    run_quick(capsys, tmp_path, "--profile", str(tmp_path / "kv.prof"), "--layouts", "small", "--modes", "direct",
+              "--seals", "off", "--only", "disk")
     st = pstats.Stats(str(tmp_path / "kv.prof"))
-    assert any("store_path.py" in f for f, _, _ in st.stats)  # the IO threads are in the profile
+    assert any("store_path.py" in f for f, _, _ in st.stats)
+
+
+def test_every_case_is_timed_over_case_seconds(capsys, tmp_path):
+    secs = 0.05
+    out = run_quick(capsys, tmp_path, "--case-seconds", str(secs), "--layouts", "mla", "--modes", "pagecache",
+                    "--seals", "xxh3", "--only", "disk,stripe,dram,seam,seal")
+    assert out["config"]["case_seconds"] == secs
+    for r in out["cases"]:
+        # Derived rows (the bound) carry the memcpy's time.
+        assert r["seconds"] >= secs, r
+        assert r["verified"] is not False, r
+    # A first store is a first store every pass: it repeats on a fresh backend.
+    store = next(r for r in out["cases"] if r["case"] == "mla pagecache xxh3 store")
+    assert store["bytes"] == store["detail"]["passes"] * store["detail"]["blocks"] * store["detail"]["block_bytes"]
+
+
+def test_only_runs_the_named_cases_and_their_ceilings(capsys, tmp_path):
+    out = run_quick(capsys, tmp_path, "--layouts", "many", "--only", "seam")
+    assert {r["group"] for r in out["cases"]} == {"copy", "seam"}
+    assert {r["case"] for r in out["cases"] if r["group"] == "seam"} == {"many seam d2h", "many seam h2d"}
+
+
+def test_seal_rates_scale_figure(capsys, tmp_path):
+    out = run_quick(capsys, tmp_path, "--layouts", "small", "--only", "seal", "--io-threads", "2")
+    rows = {r["case"]: r for r in out["cases"]}
+    one = rows["seal aes-gcm 1 thread"]
+    assert one["detail"]["buffer_bytes"] == 2 << 20 and one["detail"]["threads"] == 1
+    if (os.cpu_count() or 1) > 1:
+        many = rows["seal aes-gcm 2 threads"]
+        assert many["ceiling"] == one["case"]
+        assert many["detail"]["scaling"] == pytest.approx(many["gib_s_best"] / one["gib_s_best"], rel=1e-2)
 
 
 def test_runs_report_best_and_worst(capsys, tmp_path):
@@ -71,11 +136,47 @@ def test_runs_report_best_and_worst(capsys, tmp_path):
 
 def test_table_is_printed_last(capsys, tmp_path):
     rc = bench.main(["--quick", "--device", "cpu", "--dir", str(tmp_path), "--layouts", "small",
-                     "--modes", "pagecache", "--seals", "off"])
+                     "--modes", "pagecache", "--seals", "off", "--only", "disk,dram"])
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert rc == 0
     assert lines[-1].startswith("small dram load") and lines[-1].endswith("ok")
     assert any(line.startswith("page cache before cold loads") for line in lines)
+    assert any(line.startswith("host-memory bound = 2/3 x host memcpy") for line in lines)
+
+
+def test_too_large_a_case_is_one_clear_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", "--dir", str(tmp_path), "--layouts", "llama", "--gib", "1000000",
+                    "--max-blocks", str(10**9)])
+    msg = str(e.value.code)
+    assert "--gib 1000000: the files of a run need" in msg and "at most --gib" in msg and "\n" not in msg
+    assert os.listdir(tmp_path) == []  # its private directory is gone
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--make-array", "2", "--dir", "."], "give it or --dir, not both"),
+    (["--case-seconds", "-1"], "--case-seconds must be >= 0"),
+    (["--only", "disk,bogus"], "not bogus"),
+    (["--gib", "0"], "--gib must be > 0"),
+])
+def test_bad_flags_are_refused(argv, words):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", *argv])
+    assert words in str(e.value.code)
+
+
+def test_compact_report_of_several_runs(capsys, tmp_path):
+    out = run_quick(capsys, tmp_path, "--layouts", "llama", "--modes", "direct", "--seals", "aes-gcm,xxh3")
+    path = tmp_path / "disk.json"
+    path.write_text(json.dumps(out))
+    assert report.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "== disk: " in text and "llama ceilings: write" in text and "bound" in text
+    assert "llama  direct aes-gcm" in text and "store/rewrite" in text
+    assert "encryption cost vs checksums (1 - aes-gcm/xxh3), llama direct:" in text
+    # A step that left no JSON is named, and the summary fails.
+    assert report.main([str(path), str(tmp_path / "array.json")]) == 1
+    assert "== array: no result" in capsys.readouterr().out
 
 
 def test_dram_backend_round_trip(device):
@@ -99,3 +200,30 @@ def test_dram_backend_round_trip(device):
     finally:
         b.shutdown()
         b.shutdown()
+
+
+def test_an_interrupt_leaves_no_measurement_thread_running():
+    """Ctrl-C or SIGTERM while threads are released: they are stopped and joined before the
+    interrupt goes on (a thread still in torch code at interpreter exit aborts the process)."""
+    import threading
+
+    from kvoffload.bench.ceilings import run_all_threads
+
+    start, halt = threading.Barrier(5), threading.Event()
+    moved = []
+
+    def worker():
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:
+            return
+        while not halt.is_set():
+            moved.append(torch.ones(1024).sum())
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        run_all_threads(threads, start, halt, interrupted)
+    assert not any(t.is_alive() for t in threads) and halt.is_set() and start.broken

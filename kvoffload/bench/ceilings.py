@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -149,10 +149,10 @@ def run_io(
         mv = [memoryview(buf.numpy()).cast("B")]
         call = os.pwritev if is_write else os.preadv
         offs = offsets.tolist()
-        start.wait()
         try:
+            start.wait()
             i, moved = 0, 0
-            while True:
+            while not halt.is_set():
                 if i == len(offs):
                     if deadline is None:
                         break
@@ -165,36 +165,49 @@ def run_io(
                 if deadline is not None and time.perf_counter() >= deadline:
                     break
             done[k] = moved
+        except threading.BrokenBarrierError:
+            return  # the caller was interrupted before the start
         except BaseException as e:
             errors.append(e)
         ends[k] = time.perf_counter()
 
+    halt = threading.Event()
     threads = [threading.Thread(target=worker, args=(k, fd, o), daemon=True) for k, (fd, o) in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    deadline = None if seconds is None else t0 + seconds
-    start.wait()
-    for t in threads:
-        t.join()
+    c0 = t0 = 0.0
+    deadline: Optional[float] = None
+
+    def go() -> None:  # all started: the clock starts as the barrier releases them
+        nonlocal c0, t0, deadline
+        c0, t0 = time.process_time(), time.perf_counter()
+        deadline = None if seconds is None else t0 + seconds
+
+    run_all_threads(threads, start, halt, go)
     cpu = time.process_time() - c0
     if errors:
         raise errors[0]
     return Timed(sum(done), max(ends) - t0, cpu, {"qd": qd, "io_bytes": io_bytes})
 
 
-def sweep(files: list[RawFile], io_bytes: int, kind: str, seconds: float, depths=QUEUE_DEPTHS) -> Timed:
-    """Best rate over the queue depths; ``kind`` is direct-write, direct-read or buffered-read."""
+def sweep(files: list[RawFile], io_bytes: int, kind: str, seconds: float, hold_seconds: float = 0.0,
+          depths=QUEUE_DEPTHS) -> Timed:
+    """Best rate over the queue depths; ``kind`` is direct-write, direct-read or buffered-read.
+
+    Each depth runs ``seconds``; the best one then runs again for ``hold_seconds``
+    (when longer), and that longer window is the figure reported.
+    """
     is_write = kind == "direct-write"
     fds = [f.buffered_fd if kind == "buffered-read" else f.direct_fd for f in files]
     results = {qd: run_io(files, fds, io_bytes, qd, is_write, seconds, seed=qd) for qd in depths}
     best_qd = max(results, key=lambda q: results[q].gib_s)
     best = results[best_qd]
+    if hold_seconds > seconds:
+        best = run_io(files, fds, io_bytes, best_qd, is_write, hold_seconds, seed=best_qd)
     best.detail = {
         "qd": best_qd,
         "io_bytes": io_bytes,
+        "files": len(files),
         "by_qd": {str(q): round(r.gib_s, 3) for q, r in results.items()},
+        "sweep_seconds": seconds,
     }
     return best
 
@@ -216,23 +229,65 @@ def run_threads(n: int, body, seconds: float) -> tuple[float, list]:
     barrier = threading.Barrier(n + 1)
 
     def wrap(k):
-        barrier.wait()
         try:
+            barrier.wait()
             out[k] = body(k, deadline)
+        except threading.BrokenBarrierError:
+            pass  # the caller was interrupted before the start
         except BaseException as e:
             errors.append(e)
 
     ts = [threading.Thread(target=wrap, args=(k,)) for k in range(n)]
-    for t in ts:
-        t.start()
-    deadline = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    barrier.wait()
-    for t in ts:
-        t.join()
+    deadline = t0 = 0.0
+
+    def go() -> None:
+        nonlocal deadline, t0
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+
+    run_all_threads(ts, barrier, None, go)
     if errors:
         raise errors[0]
     return time.perf_counter() - t0, out
+
+
+def run_all_threads(threads: list[threading.Thread], start: Optional[threading.Barrier] = None,
+                    halt: Optional[threading.Event] = None, go: Optional[Callable[[], None]] = None) -> None:
+    """Start ``threads``, call ``go``, release them through the ``start`` barrier (if any), join them.
+
+    If the caller is interrupted at any point of this (Ctrl-C, or SIGTERM turned into
+    an interrupt), the threads are told to stop (``halt``; the barrier is broken) and
+    those started are still joined before the interrupt goes on: a thread left in
+    torch code when the interpreter exits aborts the process ("terminate called
+    without an active exception").
+    """
+    launched = []
+    try:
+        for t in threads:
+            launched.append(t)  # before start(): an interrupt inside start() may follow the launch
+            t.start()
+        if go is not None:
+            go()
+        if start is not None:
+            start.wait()
+        for t in threads:
+            t.join()
+    except BaseException:
+        if halt is not None:
+            halt.set()
+        if start is not None:
+            start.abort()
+        give_up = time.monotonic() + 5.0
+        for t in launched:
+            while True:
+                try:
+                    t.join()
+                    break
+                except RuntimeError:  # start() was cut off: the thread may yet start, or never
+                    if time.monotonic() > give_up:
+                        break
+                    time.sleep(0.001)
+        raise
 
 
 # --- page cache -------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """`python -m kvoffload.bench`: kvoffload's throughput next to the ceilings of the same machine.
 
 In one run on one file system: raw O_DIRECT and buffered file IO at the block size
-(best of queue depths 1-16), the pinned copy rate, then kvoffload's store, cold
-load and warm load (O_DIRECT and page cache; slots encrypted, checksummed or neither), the DRAM
-backend, the device seam alone, and striping over several paths. Every loaded
-byte is compared with what was stored. The table (or ``--json``) comes last.
+(best of queue depths 1-16), pinned copies and host memcpy, the seals alone, then
+kvoffload's store, rewrite, cold load and warm load (O_DIRECT and page cache;
+slots encrypted, checksummed or neither), the DRAM backend, the device seam alone,
+and striping over several drives. Every case runs for at least --case-seconds;
+every loaded byte is compared with what was stored. The table (or ``--json``) comes last.
 """
 
 from __future__ import annotations
@@ -26,44 +27,43 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvoffload.bench import report
 from kvoffload.bench.ceilings import (
-    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_io,
-    sweep, warm,
+    QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
+    run_io, sweep, warm,
 )
 from kvoffload.bench.dram_backend import CpuBackend
+from kvoffload.bench.ram_array import RamArray, preflight, termination_as_interrupt
+from kvoffload.bench.seal_rate import SEAL_BUFFER_BYTES, seal_rate
+from kvoffload.bench.sizing import (
+    blocks_for, case_memory, largest_fit, mem_available, misfit, raw_bytes, usable_bytes,
+)
+from kvoffload.bench.workload import (
+    LAYOUTS, Layout, make_caches, make_jobs, passes, poison, poison_blocks, run_jobs, verify,
+)
 from kvoffload.device import BlockLayout, alloc_host, make_device
 from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.slot_file import round_up
+from kvoffload.slot_seal import SEALS as SEAL_CLASSES
 
 GiB = 2**30
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    tensor_bytes: tuple[int, ...]  # bytes per block of each cache tensor
-    note: str
-
-    @property
-    def block_bytes(self) -> int:
-        return sum(self.tensor_bytes)
-
-
-LAYOUTS = {
-    "llama": Layout("llama", (32 * 1024,) * 64, "Llama-3-8B-like: 64 tensors x 32 KiB = 2 MiB"),
-    "small": Layout("small", (1024,) * 64, "small blocks: 64 tensors x 1 KiB = 64 KiB"),
-    # 576 latent values x bf16 x 16 tokens per layer, 61 layers: 1,124,352 B, not a multiple of 4096.
-    "mla": Layout("mla", (576 * 2 * 16,) * 61, "DeepSeek-MLA-like: 61 tensors x 18,432 B, not 4096-aligned"),
-    "many": Layout("many", (8 * 1024,) * 128, "many tensors: 128 x 8 KiB = 1 MiB"),
-}
 # Larger than the last-level cache (300 MiB on the H200 host), so the copy reaches DRAM.
 MEMCPY_BYTES = GiB
-# How the backend seals slots by default (its init's encrypt=True): the striping cases use it.
+# A page-cache load moves each byte through host memory 3 times (the kernel reads the
+# page cache and writes staging, the DMA reads staging); a memcpy moves it 2 times.
+HOST_BOUND_SHARE = 2 / 3
+HOST_BOUND_FORMULA = ("host-memory bound = 2/3 x host memcpy (a page-cache load moves each byte through host "
+                      "memory 3 times: kernel reads the page cache, writes staging, DMA reads staging; memcpy 2)")
+# How the backend seals slots by default (its init's encrypt=True).
 DEFAULT_SEAL = "aes-gcm"
-SEALS = ("aes-gcm", "xxh3", "off")
-# The device-seam and striping cases run on this layout (2 MiB blocks).
-SEAM_LAYOUT = "llama"
+SEALS = tuple(SEAL_CLASSES)
+GROUPS = ("disk", "stripe", "dram", "seam", "seal")
+DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
+# Case sizes found by the probe stay within these.
+MIN_CASE_BYTES = 256 * MiB
+MAX_CASE_BYTES = 4 * GiB
+PROBE_BYTES = 512 * MiB
 
 
 @dataclass
@@ -71,10 +71,10 @@ class Case:
     """One measured case of one run."""
 
     name: str  # unique within a run, e.g. "llama direct aes-gcm cold-load"
-    group: str  # raw | copy | disk | dram | seam | stripe
+    group: str  # raw | copy | seal | disk | stripe | dram | seam
     layout: str
     timed: Timed
-    ceiling: Optional[str] = None  # name of the case it is compared with
+    ceilings: tuple[str, ...] = ()  # cases of the same run it is compared with; the first is the main one
     verified: Optional[bool] = None  # None where nothing is loaded back
     info: dict = field(default_factory=dict)
 
@@ -86,27 +86,38 @@ class Config:
     layouts: list[Layout]
     modes: list[str]
     seals: list[str]
+    only: frozenset[str]
     case_bytes: Optional[int]  # None: sized from a probe
-    case_seconds: float
-    raw_seconds: float
+    case_seconds: float  # every case is timed over at least this long (0: one pass)
+    raw_seconds: float  # per queue depth of a raw sweep
     job_bytes: int
     io_threads: Optional[int]
+    io_unit_bytes: int
     slots: str
     allow_drop_caches: bool
     quick: bool
     seed: int
     max_blocks: int = 16384
 
+    @property
+    def ceiling_seconds(self) -> float:
+        return max(self.case_seconds, self.raw_seconds)
+
+    @property
+    def threads(self) -> int:
+        """IO threads per lane the backend runs with (its default where none is given)."""
+        return self.io_threads or DEFAULT_IO_THREADS
+
 
 # --- the run ------------------------------------------------------------------------
 
 
 class Bench:
-    def __init__(self, cfg: Config, profiler: Optional["ThreadProfiler"]) -> None:
+    def __init__(self, cfg: Config, profiler: Optional["ThreadProfiler"], drops: list[dict]) -> None:
         self.cfg = cfg
         self.prof = profiler
         self.cases: list[Case] = []
-        self.drops: list[dict] = []
+        self.drops = drops  # what each page-cache drop before a cold load did
         self.dev = make_device(cfg.device)
 
     def log(self, msg: str) -> None:
@@ -116,149 +127,226 @@ class Bench:
         self.cases.append(case)
         t = case.timed
         v = "" if case.verified is None else f"  verified={case.verified}"
-        self.log(f"  {case.name:<40} {t.gib_s:8.2f} GiB/s  {t.nbytes / MiB:9.1f} MiB in {t.seconds:6.3f} s{v}")
+        self.log(f"  {case.name:<44} {t.gib_s:8.2f} GiB/s  {t.nbytes / MiB:9.1f} MiB in {t.seconds:6.3f} s{v}")
         return case
 
-    def run(self, run_idx: int, sizes: dict[str, int], work: list[str]) -> None:
+    def run(self, run_idx: int, nbytes: int, work: list[str]) -> None:
         cfg = self.cfg
         rng = np.random.default_rng(cfg.seed + run_idx)
-        raw_size = max(round_up(min(sizes[L.name] // L.block_bytes, cfg.max_blocks) * L.block_bytes, 4096) + 8192
+        if "seal" in cfg.only:
+            self.seal_rates()
+        raw = None
+        if cfg.only & {"disk", "stripe"}:
+            size = max(raw_bytes(blocks_for(nbytes, L.block_bytes, cfg.max_blocks), L.block_bytes)
                        for L in cfg.layouts)
-        self.log(f"run {run_idx + 1}: raw scratch file of {raw_size / MiB:.0f} MiB in {work[0]}")
-        raw = RawFile(work[0], raw_size)
+            self.log(f"run {run_idx + 1}: raw scratch file of {size / MiB:.0f} MiB in {work[0]}")
+            raw = RawFile(work[0], size)
         try:
-            raw.fill()
-            warm([raw])
-            for L in cfg.layouts:
-                self.run_layout(L, sizes[L.name], raw, work, rng)
+            if raw is not None:
+                raw.fill()
+                warm([raw])
+            for i, L in enumerate(cfg.layouts):
+                self.run_layout(L, nbytes, raw, work, rng, stripe_here=i == 0)
         finally:
-            raw.close()
+            if raw is not None:
+                raw.close()
 
-    def run_layout(self, L: Layout, nbytes: int, raw: RawFile, work: list[str], rng) -> None:
+    def run_layout(self, L: Layout, nbytes: int, raw: Optional[RawFile], work: list[str], rng,
+                   stripe_here: bool) -> None:
         cfg = self.cfg
-        n = max(1, min(nbytes // L.block_bytes, cfg.max_blocks))
+        n = blocks_for(nbytes, L.block_bytes, cfg.max_blocks)
         slot = round_up(L.block_bytes, 4096)
         self.log(f"{L.name}: {n} blocks of {L.block_bytes} B ({L.note})")
-        # Ceilings at this block size.
-        for kind in ("direct-write", "direct-read", "buffered-read"):
-            io = L.block_bytes if kind == "buffered-read" else slot
-            self.add(Case(f"{L.name} raw {kind}", "raw", L.name, sweep([raw], io, kind, cfg.raw_seconds)))
+        if raw is not None:  # the drive's ceilings at this block size
+            kinds = ("direct-write", "direct-read") + (("buffered-read",) if "disk" in cfg.only else ())
+            for kind in kinds:
+                io = L.block_bytes if kind == "buffered-read" else slot
+                t = sweep([raw], io, kind, cfg.raw_seconds, cfg.case_seconds)
+                self.add(Case(f"{L.name} raw {kind}", "raw", L.name, t))
         caches, ref = make_caches(cfg.device, n, L.tensor_bytes, int(rng.integers(1 << 31)))
         try:
-            staging_rows = max(1, min(n, GiB // slot))
-            host = alloc_host(staging_rows * slot, 4096)
-            host.zero_()
-            self.dev.pin(host)
-            try:
-                # The ceiling uses torch's own pinned allocator; the seam below uses the
-                # backend's registered staging.
-                pinned = torch.zeros(staging_rows * slot, dtype=torch.uint8, pin_memory=cfg.device.type == "cuda")
-                devbuf = torch.zeros(staging_rows * slot, dtype=torch.uint8, device=cfg.device)
-                for to_dev, nm in ((True, "h2d"), (False, "d2h")):
-                    t = copy_rate(cfg.device, pinned, devbuf, L.block_bytes, to_dev, cfg.raw_seconds)
-                    self.add(Case(f"{L.name} pinned {nm}", "copy", L.name, t, info={"what": self.copy_what()}))
-                del devbuf, pinned
-                t = memcpy_rate(MEMCPY_BYTES if not cfg.quick else 16 * MiB, os.cpu_count() or 1, cfg.raw_seconds)
-                self.add(Case(f"{L.name} host memcpy", "copy", L.name, t))
-                if L.name == SEAM_LAYOUT:
-                    self.seam(L, caches, ref, host.view(staging_rows, slot))
-            finally:
-                self.dev.unpin(host)
-                del host
+            self.copies(L, n, slot)
+            if "seam" in cfg.only:
+                self.seam(L, caches, ref, n, slot)
             perm = rng.permutation(n) if cfg.slots == "random" else np.arange(n)
             load_order = rng.permutation(n) if cfg.slots == "random" else np.arange(n)
-            store_jobs, load_jobs = make_jobs(n, perm, load_order, max(1, cfg.job_bytes // L.block_bytes))
-            for mode in cfg.modes:
-                for seal in cfg.seals:
-                    self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, seal, store_jobs, load_jobs,
-                              prefix=f"{L.name} {mode} {seal}", warm_load=True)
-            self.dram(L, caches, ref, store_jobs, load_jobs)
-            if L.name == SEAM_LAYOUT:
-                one_disk = [os.path.join(work[0], f"p{i}", "kv.bin") for i in range(2)]
-                for p in one_disk:
-                    os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
-                self.disk(L, caches, ref, one_disk, "direct", DEFAULT_SEAL, store_jobs, load_jobs,
-                          prefix=f"{L.name} stripe 2 paths 1 disk", warm_load=False, group="stripe")
-                if len(work) > 1:
-                    self.multi_dir(L, caches, ref, work, store_jobs, load_jobs, slot, n)
+            jobs = make_jobs(n, perm, load_order, max(1, cfg.job_bytes // L.block_bytes))
+            ceil = {"write": (f"{L.name} raw direct-write",), "read": (f"{L.name} raw direct-read",)}
+            if "disk" in cfg.only:
+                for mode in cfg.modes:
+                    for seal in cfg.seals:
+                        self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, seal, jobs,
+                                  f"{L.name} {mode} {seal}", "disk", 1, ceil, warm_load=True)
+            if "dram" in cfg.only:
+                self.dram(L, caches, ref, jobs)
+            if "stripe" in cfg.only and stripe_here:
+                self.stripe(L, caches, ref, work, jobs, n, slot, ceil)
         finally:
             del caches, ref
             if cfg.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def copy_what(self) -> str:
-        return "torch pinned copy on CUDA" if self.cfg.device.type == "cuda" else "memcpy (CPU tensors)"
+    # -- ceilings beside the disk ---------------------------------------------------
+
+    def copies(self, L: Layout, n: int, slot: int) -> None:
+        """Pinned copies at the block size, host memcpy, and the page-cache load's bound."""
+        cfg = self.cfg
+        rows = max(1, min(n, GiB // slot))
+        # torch's own pinned allocator: the ceiling, not the backend's registered staging.
+        pinned = torch.zeros(rows * slot, dtype=torch.uint8, pin_memory=cfg.device.type == "cuda")
+        devbuf = torch.zeros(rows * slot, dtype=torch.uint8, device=cfg.device)
+        what = "torch pinned copy on CUDA" if cfg.device.type == "cuda" else "memcpy (CPU tensors)"
+        for to_dev, nm in ((True, "h2d"), (False, "d2h")):
+            t = copy_rate(cfg.device, pinned, devbuf, L.block_bytes, to_dev, cfg.ceiling_seconds)
+            self.add(Case(f"{L.name} pinned {nm}", "copy", L.name, t, info={"what": what}))
+        del devbuf, pinned
+        threads = os.cpu_count() or 1
+        t = memcpy_rate(16 * MiB if cfg.quick else MEMCPY_BYTES, threads, cfg.ceiling_seconds)
+        self.add(Case(f"{L.name} host memcpy", "copy", L.name, t))
+        bound = Timed(int(t.nbytes * HOST_BOUND_SHARE), t.seconds, t.cpu_seconds,
+                      {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4), "threads": threads})
+        self.add(Case(f"{L.name} host-memory bound", "copy", L.name, bound, (f"{L.name} host memcpy",)))
+
+    def seal_rates(self) -> None:
+        """Each seal alone on 2 MiB buffers, 1 thread and N (the backend's threads per lane,
+        at most the CPUs): N / 1 is how far the library's work runs outside the GIL."""
+        cfg = self.cfg
+        many = max(1, min(os.cpu_count() or 1, cfg.threads))
+        for seal in cfg.seals:
+            if seal == "off":
+                continue
+            one = self.add(Case(f"seal {seal} 1 thread", "seal", "seal", seal_rate(seal, 1, cfg.ceiling_seconds),
+                                info={"seal": seal, "threads": 1}))
+            if many > 1:
+                t = seal_rate(seal, many, cfg.ceiling_seconds)
+                scaling = t.gib_s / one.timed.gib_s if one.timed.gib_s > 0 else 0.0
+                self.add(Case(f"seal {seal} {many} threads", "seal", "seal", t, (one.name,),
+                              info={"seal": seal, "threads": many, "scaling": round(scaling, 3), "ideal": many}))
 
     # -- kvoffload cases ---------------------------------------------------------
 
-    def disk(self, L, caches, ref, paths, mode, seal, store_jobs, load_jobs, prefix, warm_load,
-             group="disk", ceilings=None) -> None:
+    def disk(self, L: Layout, caches, ref, paths: list[str], mode: str, seal: str, jobs, prefix: str, group: str,
+             drives: int, ceil: dict, warm_load: bool) -> None:
+        """First store into a fresh file, rewrite, cold load, warm load; each over at least
+        --case-seconds (a first store repeats on a new backend, so it is always a first store)."""
         cfg = self.cfg
-        ceilings = ceilings or {"write": f"{L.name} raw direct-write", "read": f"{L.name} raw direct-read"}
+        store_jobs, load_jobs = jobs
         n = sum(len(s) for s, _ in store_jobs)
-        b = DiskBackend()
-        with self.profiled():  # IO threads start here: each gets its profiler
-            b.init(caches, cfg.device, None, None, paths[0], n, L.block_bytes, use_page_cache=(mode == "pagecache"),
-                   disk_paths=paths if len(paths) > 1 else None, encrypt=seal == "aes-gcm",
-                   checksums=seal == "xxh3", io_threads=cfg.io_threads, report_load_errors=True,
-                   capacity_bytes=n * round_up(L.block_bytes, 4096))
-        try:
-            fds = [(f.fd, f.size) for f in b.files]
-            # "rewrite" runs the same stores again. A fresh slot file is fallocated, and
-            # ext4 converts the unwritten extent under each first write (20-30% slower on
-            # the dev VM); once slots are reused every store is an overwrite, as in the
-            # raw ceiling.
-            for op in ("store", "rewrite"):
-                with self.profiled():
-                    t, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
-                ok = ok and not b.get_failed_store_slots()
-                self.add(Case(f"{prefix} {op}", group, L.name, t, ceilings["write"], None,
-                              {"mode": mode, "seal": seal, "store_ok": ok, "paths": len(paths)}))
-            drop = drop_page_cache(fds, cfg.allow_drop_caches)
-            self.drops.append({"case": prefix, "mode": mode, **drop.as_dict()})
-            poison(caches)
-            with self.profiled():
-                t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
-            good = ok and not b.get_block_ids_with_load_errors() and verify(caches, ref)
-            self.add(Case(f"{prefix} cold-load", group, L.name, t, ceilings["read"], good,
-                          {"mode": mode, "seal": seal, "resident_before": drop.resident_after,
-                           "paths": len(paths)}))
-            if warm_load:
-                resident = resident_of(fds)
-                poison(caches)
-                with self.profiled():
-                    t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
-                good = ok and not b.get_block_ids_with_load_errors() and verify(caches, ref)
-                ceil = f"{L.name} pinned h2d" if mode == "pagecache" else ceilings["read"]
-                self.add(Case(f"{prefix} warm-load", group, L.name, t, ceil, good,
-                              {"mode": mode, "seal": seal, "resident_before": resident}))
-        finally:
-            b.shutdown()
+        geometry = {
+            "mode": mode, "seal": seal, "paths": len(paths), "drives": drives, "blocks": n,
+            "block_bytes": L.block_bytes, "jobs": len(store_jobs), "job_bytes": len(store_jobs[0][0]) * L.block_bytes,
+            "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes,
+        }
+        backend: Optional[DiskBackend] = None
+        oks: list[bool] = []
 
-    def dram(self, L, caches, ref, store_jobs, load_jobs) -> None:
+        def one_pass(is_store: bool) -> Timed:
+            with self.profiled():
+                t, ok = run_jobs(backend, store_jobs if is_store else load_jobs, is_store, cfg.device, L.block_bytes)
+            if is_store:
+                oks.append(ok and not backend.get_failed_store_slots())
+            else:
+                oks.append(ok and not backend.get_block_ids_with_load_errors() and verify(caches, ref))
+            return t
+
+        def first_store() -> Timed:
+            nonlocal backend
+            if backend is not None:
+                backend.shutdown()
+                backend = None
+            b = DiskBackend()
+            with self.profiled():  # IO threads start here: each gets its profiler
+                b.init(caches, cfg.device, None, None, paths[0], n, L.block_bytes,
+                       use_page_cache=mode == "pagecache", disk_paths=paths if len(paths) > 1 else None,
+                       encrypt=seal == "aes-gcm", checksums=seal == "xxh3", io_threads=cfg.io_threads,
+                       io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True,
+                       capacity_bytes=n * round_up(L.block_bytes, 4096))
+            backend = b
+            return one_pass(True)
+
+        def case(op: str, t: Timed, ceilings: tuple[str, ...], verified: Optional[bool], **extra) -> None:
+            info = {**geometry, "op": op, **extra}
+            if op == "store":
+                info["store_ok"] = all(oks)
+            self.add(Case(f"{prefix} {op}", group, L.name, t, ceilings, verified, info))
+            oks.clear()
+
+        try:
+            t = passes(cfg.case_seconds, first_store)
+            geometry["slot_bytes"] = backend.files[0].slot_bytes
+            # ext4 and XFS convert each fallocated (unwritten) extent on its first write;
+            # the rewrite overwrites, as every store does once slots are reused and as the raw ceiling does.
+            case("store", t, ceil["write"] + (f"{prefix} rewrite",), None)
+            t = passes(cfg.case_seconds, lambda: one_pass(True))
+            case("rewrite", t, ceil["write"], None, store_ok=all(oks))
+            fds = [(f.fd, f.size) for f in backend.files]
+            resident: list[Optional[float]] = []
+
+            def cold() -> Timed:
+                drop = drop_page_cache(fds, cfg.allow_drop_caches)
+                self.drops.append({"case": prefix, "mode": mode, **drop.as_dict()})
+                resident.append(drop.resident_after)
+                poison(caches)
+                return one_pass(False)
+
+            t = passes(cfg.case_seconds, cold)
+            case("cold-load", t, ceil["read"], all(oks),
+                 resident_before=None if None in resident else max(resident))
+            if warm_load:
+                before = resident_of(fds)
+
+                def warm_pass() -> Timed:
+                    poison(caches)
+                    return one_pass(False)
+
+                t = passes(cfg.case_seconds, warm_pass)
+                ceilings = ((f"{L.name} host-memory bound", f"{L.name} pinned h2d") if mode == "pagecache"
+                            else ceil["read"])
+                case("warm-load", t, ceilings, all(oks), resident_before=before)
+        finally:
+            if backend is not None:
+                backend.shutdown()
+
+    def dram(self, L: Layout, caches, ref, jobs) -> None:
         cfg = self.cfg
+        store_jobs, load_jobs = jobs
         n = sum(len(s) for s, _ in store_jobs)
         b = CpuBackend()
         b.init(caches, cfg.device, None, None, n, L.block_bytes)
+        oks: list[bool] = []
+
+        def one_pass(is_store: bool) -> Timed:
+            if not is_store:
+                poison(caches)
+            with self.profiled():
+                t, ok = run_jobs(b, store_jobs if is_store else load_jobs, is_store, cfg.device, L.block_bytes)
+            oks.append(ok and (is_store or verify(caches, ref)))
+            return t
+
         try:
-            with self.profiled():
-                t, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
-            self.add(Case(f"{L.name} dram store", "dram", L.name, t, f"{L.name} pinned d2h", None))
-            poison(caches)
-            with self.profiled():
-                t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
-            self.add(Case(f"{L.name} dram load", "dram", L.name, t, f"{L.name} pinned h2d", ok and verify(caches, ref)))
+            info = {"blocks": n, "block_bytes": L.block_bytes, "jobs": len(store_jobs)}
+            t = passes(cfg.case_seconds, lambda: one_pass(True))
+            self.add(Case(f"{L.name} dram store", "dram", L.name, t, (f"{L.name} pinned d2h",), None,
+                          {**info, "op": "store"}))
+            oks.clear()
+            t = passes(cfg.case_seconds, lambda: one_pass(False))
+            self.add(Case(f"{L.name} dram load", "dram", L.name, t, (f"{L.name} pinned h2d",), all(oks),
+                          {**info, "op": "load"}))
         finally:
             b.shutdown()
 
-    def seam(self, L, caches, ref, staging: torch.Tensor) -> None:
+    def seam(self, L: Layout, caches, ref, n: int, slot: int) -> None:
         """The device copy alone through ``Device.copy_to_host/copy_to_device``, as the backend
-        drives it: IO-unit calls from ``io_threads`` threads, each on the stream ``bind_thread`` gives it."""
+        drives it: IO-unit calls from its IO threads, each on the stream ``bind_thread`` gives it."""
         cfg = self.cfg
         layout = BlockLayout.from_caches(caches)
-        n, rows = layout.num_blocks, staging.shape[0]
-        unit = max(1, DEFAULT_IO_UNIT_BYTES // staging.shape[1])  # rows per call, as the backend's units
-        threads = cfg.io_threads or DEFAULT_IO_THREADS
+        rows = max(1, min(n, GiB // slot))
+        host = alloc_host(rows * slot, 4096)
+        host.zero_()
+        self.dev.pin(host)
+        staging = host.view(rows, slot)
+        unit = max(1, cfg.io_unit_bytes // slot)  # rows per call, as the backend's units
+        threads = cfg.threads
         d2h = Timed(0, 0.0, 0.0)
         h2d = Timed(0, 0.0, 0.0)
 
@@ -276,47 +364,61 @@ class Bench:
             if ev is not None:
                 ev.synchronize()
 
-        for c0 in range(0, n, rows):  # staging-sized chunks; each timed per direction
-            ids = list(range(c0, min(n, c0 + rows)))
-            for is_store, acc in ((True, d2h), (False, h2d)):
-                if not is_store:
-                    poison_blocks(caches, ids)
-                sw = Stopwatch(cfg.device)
-                with self.profiled(), sw:
-                    ts = [threading.Thread(target=copy_units, args=(k, ids, is_store)) for k in range(threads)]
-                    for t in ts:
-                        t.start()
-                    for t in ts:
-                        t.join()
-                acc.nbytes += len(ids) * L.block_bytes
-                acc.seconds += sw.seconds
-                acc.cpu_seconds += sw.cpu_seconds
-        good = verify(caches, ref)
-        info = {"rows_per_call": unit, "threads": threads}
-        self.add(Case(f"{L.name} seam d2h", "seam", L.name, d2h, f"{L.name} pinned d2h", None, info))
-        self.add(Case(f"{L.name} seam h2d", "seam", L.name, h2d, f"{L.name} pinned h2d", good, info))
-
-    def multi_dir(self, L, caches, ref, work, store_jobs, load_jobs, slot, n) -> None:
-        """Stripe over every --dir, against all of them driven at once by the raw loop."""
-        cfg = self.cfg
-        per = round_up(-(-n // len(work)) * slot, 4096) + 8192
-        raws = [RawFile(d, per) for d in work]
         try:
+            count = 0
+            while True:
+                for c0 in range(0, n, rows):  # staging-sized chunks; each timed per direction
+                    ids = list(range(c0, min(n, c0 + rows)))
+                    for is_store, acc in ((True, d2h), (False, h2d)):
+                        if not is_store:
+                            poison_blocks(caches, ids)
+                        sw = Stopwatch(cfg.device)
+                        with self.profiled(), sw:
+                            run_all_threads([threading.Thread(target=copy_units, args=(k, ids, is_store))
+                                             for k in range(threads)])
+                        acc.nbytes += len(ids) * L.block_bytes
+                        acc.seconds += sw.seconds
+                        acc.cpu_seconds += sw.cpu_seconds
+                count += 1
+                if min(d2h.seconds, h2d.seconds) >= cfg.case_seconds:
+                    break
+        finally:
+            self.dev.unpin(host)
+        good = verify(caches, ref)
+        info = {"rows_per_call": unit, "threads": threads, "passes": count, "blocks": n, "block_bytes": L.block_bytes}
+        self.add(Case(f"{L.name} seam d2h", "seam", L.name, d2h, (f"{L.name} pinned d2h",), None, info))
+        self.add(Case(f"{L.name} seam h2d", "seam", L.name, h2d, (f"{L.name} pinned h2d",), good, info))
+
+    def stripe(self, L: Layout, caches, ref, work: list[str], jobs, n: int, slot: int, ceil: dict) -> None:
+        """Two files on the first drive (what more threads and files alone buy), then one file
+        per --dir against all of them driven at once by the raw loop."""
+        cfg = self.cfg
+        two = [os.path.join(work[0], f"p{i}", "kv.bin") for i in range(2)]
+        for p in two:
+            os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+        self.disk(L, caches, ref, two, "direct", DEFAULT_SEAL, jobs, f"{L.name} stripe 2 paths 1 disk", "stripe",
+                  1, ceil, warm_load=False)
+        if len(work) < 2:
+            return
+        k = len(work)
+        raws: list[RawFile] = []
+        try:
+            for d in work:
+                raws.append(RawFile(d, raw_bytes(-(-n // k), L.block_bytes)))
             for r in raws:
                 r.fill()
-            qd = next(c.timed.detail["qd"] for c in reversed(self.cases) if c.name == f"{L.name} raw direct-write")
-            for kind, is_write in (("direct-write", True), ("direct-read", False)):
-                t = run_io(raws, [r.direct_fd for r in raws], slot, qd, is_write, cfg.raw_seconds)
-                t.detail["dirs"] = len(work)
-                self.add(Case(f"{L.name} raw {kind} {len(work)} dirs", "raw", L.name, t))
+            for kind in ("direct-write", "direct-read"):
+                t = sweep(raws, slot, kind, cfg.raw_seconds, cfg.case_seconds)
+                self.add(Case(f"{L.name} raw {kind} {k} dirs", "raw", L.name, t, info={"dirs": k}))
         finally:
             for r in raws:
                 r.close()
-        paths = [os.path.join(d, "kv.bin") for d in work]
-        self.disk(L, caches, ref, paths, "direct", DEFAULT_SEAL, store_jobs, load_jobs,
-                  prefix=f"{L.name} stripe {len(work)} dirs", warm_load=False, group="stripe",
-                  ceilings={"write": f"{L.name} raw direct-write {len(work)} dirs",
-                            "read": f"{L.name} raw direct-read {len(work)} dirs"})
+        # Against the drives together first, then against one drive.
+        agg = {"write": (f"{L.name} raw direct-write {k} dirs",) + ceil["write"],
+               "read": (f"{L.name} raw direct-read {k} dirs",) + ceil["read"]}
+        for seal in cfg.seals:
+            self.disk(L, caches, ref, [os.path.join(d, "kv.bin") for d in work], "direct", seal, jobs,
+                      f"{L.name} stripe {k} dirs {seal}", "stripe", k, agg, warm_load=False)
 
     @contextlib.contextmanager
     def profiled(self):
@@ -328,60 +430,6 @@ class Bench:
             yield
         finally:
             self.prof.stop()
-
-
-# --- data -----------------------------------------------------------------------------
-
-
-def make_caches(device, n, tensor_bytes, seed) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Random int8 caches ``[n, bytes]`` per tensor, and a copy to compare loads against."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    caches = {
-        f"layer{i}": torch.randint(-128, 128, (n, b), dtype=torch.int8, device=device, generator=g)
-        for i, b in enumerate(tensor_bytes)
-    }
-    return caches, {k: v.clone() for k, v in caches.items()}
-
-
-def poison(caches) -> None:
-    # Any block a load skipped then differs from the reference.
-    for t in caches.values():
-        t.fill_(0x5A)
-
-
-def poison_blocks(caches, ids) -> None:
-    idx = torch.as_tensor(ids, dtype=torch.long, device=next(iter(caches.values())).device)
-    for t in caches.values():
-        t.index_fill_(0, idx, 0x5A)
-
-
-def verify(caches, ref) -> bool:
-    return all(torch.equal(caches[k], ref[k]) for k in caches)
-
-
-def make_jobs(n, perm, load_order, per_job) -> tuple[list, list]:
-    """Store jobs (blocks -> slots perm[b]) in block order; load jobs back, in ``load_order``."""
-    store = [(list(range(i, min(n, i + per_job))), [int(perm[b]) for b in range(i, min(n, i + per_job))])
-             for i in range(0, n, per_job)]
-    load = []
-    for i in range(0, n, per_job):
-        blocks = [int(b) for b in load_order[i : i + per_job]]
-        load.append(([int(perm[b]) for b in blocks], blocks))
-    return store, load
-
-
-def run_jobs(backend, jobs, is_store, device, block_bytes) -> tuple[Timed, bool]:
-    """Launch every job at once (as a busy scheduler step would), then wait for all."""
-    events: list = []
-    sw = Stopwatch(device)
-    with sw:
-        for k, (src, dst) in enumerate(jobs):
-            backend.launch_copy(src, dst, is_store, k, events)
-        for _, ev in events:
-            ev.synchronize()
-    # JobEvent has .ok; the DRAM backend's CUDA events fail only by raising.
-    ok = all(getattr(ev, "ok", True) is not False for _, ev in events)
-    return Timed(sum(len(s) for s, _ in jobs) * block_bytes, sw.seconds, sw.cpu_seconds), ok
 
 
 # --- profiling --------------------------------------------------------------------
@@ -429,16 +477,38 @@ class ThreadProfiler:
         return st
 
 
-# --- sizing, summary, output ----------------------------------------------------------
+# --- sizing -----------------------------------------------------------------------------
 
 
-def probe_bytes(cfg: Config, work: list[str]) -> int:
-    """Bytes per case so that a case takes about ``case_seconds`` at this disk's rate.
+def case_size(cfg: Config, work: list[str], given: Optional[str], array: Optional[RamArray]) -> int:
+    """Bytes per case: ``cfg.case_bytes`` if it fits the drives (else one line saying why),
+    otherwise from a probe of the first drive, within memory and what fits."""
+    sizes = [L.block_bytes for L in cfg.layouts]
+    usable = [usable_bytes(w) for w in work]
+    why = misfit(0, sizes, cfg.dirs, usable, cfg.max_blocks)
+    if why:
+        raise SystemExit(f"kvoffload bench: no case fits: {why}")
+    fit = largest_fit(sizes, cfg.dirs, usable, cfg.max_blocks, max(cfg.case_bytes or 0, MAX_CASE_BYTES))
+    if cfg.case_bytes is not None:
+        why = misfit(cfg.case_bytes, sizes, cfg.dirs, usable, cfg.max_blocks)
+        if why:
+            raise SystemExit(f"kvoffload bench: {given}: {why}; at most --gib {fit / GiB:.2f} fits")
+        return cfg.case_bytes
+    mem = mem_available() - (array.unfilled_bytes() if array is not None else 0)
+    mem_cap = max(0, mem) // case_memory(1, cfg.device.type == "cpu")
+    rate = probe_rate(work[0], min(PROBE_BYTES, max(4 * MiB, usable[0] // 4)))
+    # Half a case per pass: 2-3 passes reach --case-seconds without overshooting by a whole pass.
+    want = int(rate * cfg.case_seconds / 2)
+    n = max(min(want, MAX_CASE_BYTES, mem_cap), min(MIN_CASE_BYTES, mem_cap))
+    if n > fit:
+        print(f"kvoffload bench: cases cut to {fit / MiB:.0f} MiB (of {n / MiB:.0f}) to fit the drives",
+              file=sys.stderr)
+    return min(n, fit)
 
-    A 512 MiB O_DIRECT write and read at 4 MiB, queue depth 8; the slower of the two
-    sets the size, clamped to [256 MiB, 4 GiB] and to what memory and disk hold.
-    """
-    f = RawFile(work[0], 512 * MiB)
+
+def probe_rate(directory: str, nbytes: int) -> float:
+    """Bytes/s of the slower of an O_DIRECT write and read at 4 MiB, queue depth 8."""
+    f = RawFile(directory, nbytes)
     try:
         sw = Stopwatch(torch.device("cpu"))
         with sw:
@@ -447,22 +517,7 @@ def probe_bytes(cfg: Config, work: list[str]) -> int:
         r = run_io([f], [f.direct_fd], 4 * MiB, 8, False, 0.3).gib_s * GiB
     finally:
         f.close()
-    want = int(min(w, r) * cfg.case_seconds)
-    # The raw file and a slot file exist at once; caches + reference (+ DRAM slots) sit in memory.
-    disk_cap = shutil.disk_usage(work[0]).free // 4
-    mem_cap = _mem_available() // (6 if cfg.device.type == "cpu" else 3)
-    return max(min(want, 4 * GiB, disk_cap, mem_cap), min(256 * MiB, disk_cap, mem_cap))
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    return min(w, r)
 
 
 def fs_type(path: str) -> str:
@@ -480,63 +535,7 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def summarize(runs: list[list[Case]]) -> list[dict]:
-    """One row per case: best and worst GiB/s over the runs, ratio to the same run's ceiling."""
-    rows = []
-    for c0 in runs[0]:
-        per_run = []
-        for cases in runs:
-            by_name = {c.name: c for c in cases}
-            c = by_name[c0.name]
-            ceil = by_name.get(c.ceiling) if c.ceiling else None
-            ratio = c.timed.gib_s / ceil.timed.gib_s if ceil and ceil.timed.gib_s > 0 else None
-            per_run.append((c, ratio))
-        best_c, best_ratio = max(per_run, key=lambda x: x[0].timed.gib_s)
-        gib = best_c.timed.nbytes / GiB
-        checks = [c.verified for c, _ in per_run]
-        rows.append({
-            "case": c0.name,
-            "group": c0.group,
-            "layout": c0.layout,
-            "bytes": best_c.timed.nbytes,
-            "gib_s_best": round(best_c.timed.gib_s, 4),
-            "gib_s_worst": round(min(c.timed.gib_s for c, _ in per_run), 4),
-            "ceiling": c0.ceiling,
-            "ratio": None if best_ratio is None else round(best_ratio, 4),
-            "cpu_s_per_gib": round(best_c.timed.cpu_seconds / gib, 4) if gib else None,
-            "verified": None if checks[0] is None else all(checks),
-            "detail": {**best_c.timed.detail, **best_c.info},
-        })
-    return rows
-
-
-def table(rows: list[dict]) -> str:
-    head = f"{'case':<42} {'GiB/s':>8} {'worst':>8} {'ratio':>6}  {'of ceiling':<31} {'CPU s/GiB':>9}  check"
-    out = [head, "-" * len(head)]
-    layout = None
-    for r in rows:
-        if r["layout"] != layout and layout is not None:
-            out.append("")
-        layout = r["layout"]
-        name = r["case"]
-        if r["group"] == "raw" and "qd" in r["detail"]:
-            name += f" (qd {r['detail']['qd']})"
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        check = {None: "-", True: "ok", False: "FAIL"}[r["verified"]]
-        out.append(
-            f"{name:<42} {r['gib_s_best']:8.2f} {r['gib_s_worst']:8.2f} {ratio:>6}  {(r['ceiling'] or ''):<31} "
-            f"{(r['cpu_s_per_gib'] or 0):9.3f}  {check}"
-        )
-    return "\n".join(out)
-
-
-def drop_summary(drops: list[dict]) -> str:
-    fadv = sorted({d["fadvise"] for d in drops})
-    glob = sorted({d["drop_caches"] for d in drops})
-    res = [d["resident_after"] for d in drops if d["resident_after"] is not None]
-    worst = f"{max(res) * 100:.1f}%" if res else "unknown"
-    return (f"page cache before cold loads: fsync+fadvise(DONTNEED) {', '.join(fadv)}; "
-            f"/proc/sys/vm/drop_caches {', '.join(glob)}; most still resident after: {worst}")
+# --- command line -------------------------------------------------------------------------
 
 
 def parse_layouts(names: str, custom: list[str]) -> list[Layout]:
@@ -551,28 +550,52 @@ def parse_layouts(names: str, custom: list[str]) -> list[Layout]:
             count, nbytes = (int(x) for x in shape.lower().split("x"))
         except ValueError:
             raise SystemExit(f"--layout {spec!r}: want NAME:TENSORSxBYTES, e.g. big:80x65536") from None
+        if count < 1 or nbytes < 1:
+            raise SystemExit(f"--layout {spec!r}: tensors and bytes must be >= 1")
         out.append(Layout(name, (nbytes,) * count, f"custom: {count} tensors x {nbytes} B"))
+    if not out:
+        raise SystemExit("--layouts must not be empty")
     return out
+
+
+def comma_list(flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [x for x in value.split(",") if x]
+    bad = [x for x in items if x not in allowed]
+    if not items or bad:
+        raise SystemExit(f"{flag}: a comma list of {', '.join(allowed)}" + (f"; not {', '.join(bad)}" if bad else ""))
+    return items
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvoffload.bench", description=__doc__.splitlines()[0])
     p.add_argument("--dir", action="append", default=None,
                    help="directory for the files (repeat to stripe over several; default: the current directory)")
+    p.add_argument("--make-array", type=int, metavar="N",
+                   help="root only: build N RAM-backed drives (loop devices over /dev/shm files), run on them "
+                        "(one drive alone, all N striped), then tear them down")
+    p.add_argument("--array-gib", type=float, default=14.0, help="GiB per --make-array drive (14)")
+    p.add_argument("--fs", choices=("ext4", "xfs"), default="ext4", help="file system of --make-array drives")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--layout", action="append", default=[], metavar="NAME:TENSORSxBYTES",
                    help="add a layout, e.g. big:80x65536 (repeatable)")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all); "
+                        "the ceilings they are compared with always run")
     p.add_argument("--gib", type=float, default=None,
-                   help="GiB moved per case (default: sized so a case takes about --case-seconds, at most 4)")
+                   help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
     p.add_argument("--max-blocks", type=int, default=16384,
-                   help="at most this many blocks per case (16384: 1 GiB of 64 KiB blocks)")
-    p.add_argument("--case-seconds", type=float, default=1.5, help="target seconds per case when sizing (1.5)")
-    p.add_argument("--raw-seconds", type=float, default=0.4, help="seconds per raw queue depth / copy ceiling (0.4)")
+                   help="at most this many blocks per pass (16384: 1 GiB of 64 KiB blocks)")
+    p.add_argument("--case-seconds", type=float, default=None,
+                   help="time every case over at least this many seconds, repeating passes (2; --quick: one pass)")
+    p.add_argument("--raw-seconds", type=float, default=0.3,
+                   help="seconds per queue depth in a raw sweep (0.3); the best depth then runs --case-seconds")
     p.add_argument("--modes", default="direct,pagecache", help="comma list of direct, pagecache")
-    p.add_argument("--seals", default="aes-gcm,xxh3,off",
+    p.add_argument("--seals", default=",".join(SEALS),
                    help="comma list of how slots are sealed: aes-gcm (the default: encrypted), xxh3 (checksums), off")
     p.add_argument("--job-mib", type=float, default=32, help="MiB per launch_copy job (32)")
-    p.add_argument("--io-threads", type=int, default=None, help="DiskBackend io_threads (IO threads per lane) (default: the backend's)")
+    p.add_argument("--io-threads", type=int, default=None, help="DiskBackend io_threads (default: the backend's)")
+    p.add_argument("--io-unit-mib", type=float, default=DEFAULT_IO_UNIT_BYTES / MiB,
+                   help=f"DiskBackend io_unit_bytes in MiB ({DEFAULT_IO_UNIT_BYTES / MiB:g})")
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
                    help="slot placement: random (a warm free list, one IO per block) or sequential")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -586,93 +609,141 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    a = build_parser().parse_args(argv)
-    layouts = parse_layouts(a.layouts, a.layout)
-    modes = [m for m in a.modes.split(",") if m]
-    if not layouts or any(m not in ("direct", "pagecache") for m in modes) or not modes:
-        raise SystemExit("--modes: a comma list of direct, pagecache; --layouts must not be empty")
-    seals = [x for x in a.seals.split(",") if x]
-    if not seals or any(x not in SEALS for x in seals):
-        raise SystemExit(f"--seals: a comma list of {', '.join(SEALS)}")
+def config_from(a: argparse.Namespace) -> Config:
+    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1),
+                             ("--io-threads", a.io_threads, 1), ("--make-array", a.make_array, 1)):
+        if value is not None and value < low:
+            raise SystemExit(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--gib", a.gib), ("--job-mib", a.job_mib), ("--io-unit-mib", a.io_unit_mib),
+                        ("--raw-seconds", a.raw_seconds), ("--array-gib", a.array_gib)):
+        if value is not None and not value > 0:
+            raise SystemExit(f"{flag} must be > 0, got {value}")
+    if a.case_seconds is not None and not a.case_seconds >= 0:
+        raise SystemExit(f"--case-seconds must be >= 0, got {a.case_seconds}")
+    if a.make_array is not None and a.dir:
+        raise SystemExit("--make-array builds its own drives: give it or --dir, not both")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no GPU")
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-    if a.runs < 1:
-        raise SystemExit("--runs must be >= 1")
-    cfg = Config(
-        device=device, dirs=a.dir or [os.getcwd()], layouts=layouts, modes=modes, seals=seals,
+    case_seconds = a.case_seconds if a.case_seconds is not None else (0.0 if a.quick else 2.0)
+    return Config(
+        device=device, dirs=a.dir or [os.getcwd()], layouts=parse_layouts(a.layouts, a.layout),
+        modes=comma_list("--modes", a.modes, ("direct", "pagecache")), seals=comma_list("--seals", a.seals, SEALS),
+        only=frozenset(comma_list("--only", a.only, GROUPS)),
         case_bytes=int(a.gib * GiB) if a.gib else (8 * MiB if a.quick else None),
-        case_seconds=a.case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
-        job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads, slots=a.slots,
-        allow_drop_caches=not a.no_drop_caches, quick=a.quick, seed=a.seed, max_blocks=a.max_blocks,
+        case_seconds=case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
+        job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads,
+        io_unit_bytes=int(a.io_unit_mib * MiB), slots=a.slots, allow_drop_caches=not a.no_drop_caches,
+        quick=a.quick, seed=a.seed, max_blocks=a.max_blocks,
     )
-    work = [tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d) for d in cfg.dirs]
+
+
+@dataclass
+class Outcome:
+    """What a bench process measured so far: complete at the end, partial after an interrupt."""
+
+    nbytes: int = 0
+    runs: list[list[Case]] = field(default_factory=list)  # the last one may be cut short
+    drops: list[dict] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+    dirs: list[dict] = field(default_factory=list)
+    interrupted: Optional[str] = None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
+    cfg = config_from(a)
+    given = f"--gib {a.gib:.10g}" if a.gib else "--quick (8 MiB per case)"
     prof = ThreadProfiler() if a.profile else None
-    runs: list[list[Case]] = []
-    drops: list[dict] = []
-    leftovers: list[str] = []
+    array: Optional[RamArray] = None
+    got = Outcome()
     try:
-        nbytes = cfg.case_bytes if cfg.case_bytes is not None else probe_bytes(cfg, work)
-        sizes = {L.name: max(L.block_bytes, nbytes) for L in layouts}
-        print(f"kvoffload bench: {nbytes / MiB:.0f} MiB per case, {a.runs} run(s), device {device}",
-              file=sys.stderr)
-        for i in range(a.runs):
-            b = Bench(cfg, prof)
-            b.run(i, sizes, work)
-            runs.append(b.cases)
-            drops.extend(b.drops)
-    finally:
-        for w in work:
-            for root, dirs, files in os.walk(w):
-                leftovers += [os.path.join(root, f) for f in files]
-            shutil.rmtree(w, ignore_errors=True)
-    rows = summarize(runs)
-    ok = all(r["verified"] is not False for r in rows) and not leftovers
+        with termination_as_interrupt(), contextlib.ExitStack() as stack:
+            if a.make_array is not None:
+                preflight(a.make_array, a.array_gib, a.fs,
+                          case_memory(cfg.case_bytes or MIN_CASE_BYTES, cfg.device.type == "cpu"))
+                array = stack.enter_context(RamArray(a.make_array, a.array_gib, a.fs))
+                cfg.dirs = array.mountpoints
+                print(f"kvoffload bench: {a.make_array} RAM-backed {a.fs} drive(s) of {a.array_gib:g} GiB at "
+                      f"{', '.join(cfg.dirs)}", file=sys.stderr)
+            got.dirs = [{"path": d, "fs": fs_type(d)} for d in cfg.dirs]  # while an array is still mounted
+            run_all(cfg, given, array, prof, a.runs, got)
+    except KeyboardInterrupt as e:
+        got.interrupted = str(e) or "Ctrl-C"
+        removed = "its files were removed"
+        if array is not None:
+            removed = ("its files and drives were removed" if not array.teardown_errors
+                       else "its files were removed, its drives NOT fully (see above)")
+        print(f"kvoffload bench: interrupted ({got.interrupted}); {removed}"
+              + ("; the cases measured so far follow" if got.runs and got.runs[0] else ""), file=sys.stderr)
+        if not (got.runs and got.runs[0]):
+            return 130
+    rows = report.summarize([r for r in got.runs if r])
+    torn_down = array is None or not array.teardown_errors
+    ok = (all(r["verified"] is not False for r in rows) and not got.leftovers and torn_down
+          and got.interrupted is None)
     if prof is not None:
         st = prof.dump(a.profile)
         if not a.json:
             st.stream = sys.stderr
             st.sort_stats("tottime").print_stats(20)
     machine = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda"
+        else platform.processor() or "cpu",
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "dirs": [{"path": d, "fs": fs_type(d)} for d in cfg.dirs],
+        "dirs": got.dirs,
     }
     result = {
         "machine": machine,
         "config": {
-            "device": str(device), "runs": a.runs, "quick": a.quick, "bytes_per_case": nbytes,
+            "device": str(cfg.device), "runs": a.runs, "quick": a.quick, "bytes_per_case": got.nbytes,
             "layouts": {L.name: {"block_bytes": L.block_bytes, "tensors": len(L.tensor_bytes), "note": L.note}
-                        for L in layouts},
-            "modes": modes, "seals": seals, "slots": cfg.slots, "job_bytes": cfg.job_bytes,
-            "io_threads": cfg.io_threads, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
+                        for L in cfg.layouts},
+            "modes": cfg.modes, "seals": cfg.seals, "only": sorted(cfg.only), "slots": cfg.slots,
+            "job_bytes": cfg.job_bytes, "io_threads": cfg.io_threads, "io_threads_used": cfg.threads,
+            "io_unit_bytes": cfg.io_unit_bytes, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
+            "case_seconds": cfg.case_seconds, "seal_buffer_bytes": SEAL_BUFFER_BYTES,
+            "host_bound": {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4)},
         },
-        "cache_drop": {"summary": drop_summary(drops), "cases": drops},
+        "array": array.describe() if array is not None else None,
+        "cache_drop": {"summary": report.drop_summary(got.drops), "cases": got.drops},
         "cases": rows,
-        "leftover_files": leftovers,
+        "seal_cost": report.seal_cost(rows),
+        "leftover_files": got.leftovers,
         "all_verified": all(r["verified"] is not False for r in rows),
+        "interrupted": got.interrupted,
         "ok": ok,
     }
     if a.json:
         print(json.dumps(result, indent=1))
     else:
-        fs = ", ".join(f"{d['path']} ({d['fs']})" for d in machine["dirs"])
-        print(f"kvoffload bench on {machine['device']}, {machine['cpus']} CPUs, torch {machine['torch']}; "
-              f"files in {fs}")
-        print(f"{nbytes / MiB:.0f} MiB per case, {a.runs} run(s), slots {cfg.slots}, "
-              f"{cfg.job_bytes / MiB:g} MiB per job; raw = best of queue depths {list(QUEUE_DEPTHS)}")
-        print(drop_summary(drops))
-        if leftovers:
-            print(f"LEFT BEHIND: {leftovers}")
-        print("ratio: store / raw direct-write, load / raw direct-read, page-cache warm load and DRAM load / "
-              "pinned h2d, DRAM store / pinned d2h")
-        print()
-        print(table(rows))
-    return 0 if ok else 1
+        print(report.full(result))
+    return 130 if got.interrupted else 0 if ok else 1
+
+
+def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int, got: Outcome) -> None:
+    """The runs, in private directories inside each --dir that are removed afterwards.
+
+    ``got`` fills as cases finish, so an interrupt still leaves what was measured."""
+    work: list[str] = []
+    try:
+        for d in cfg.dirs:
+            work.append(tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d))
+        got.nbytes = case_size(cfg, work, given, array)
+        print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
+              f"{nruns} run(s), device {cfg.device}", file=sys.stderr)
+        for i in range(nruns):
+            b = Bench(cfg, prof, got.drops)
+            got.runs.append(b.cases)
+            b.run(i, got.nbytes, work)
+    finally:
+        for w in work:
+            for root, _, files in os.walk(w):
+                got.leftovers += [os.path.join(root, f) for f in files]
+            shutil.rmtree(w, ignore_errors=True)
 
 
 if __name__ == "__main__":
