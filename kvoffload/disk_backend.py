@@ -36,11 +36,13 @@ logger = logging.getLogger("kvoffload")
 # the CPU they seal with. H200 (16 cores), 4 RAM-backed drives, 16 MiB units: 4 threads
 # per lane loaded at 13.2 GiB/s, 8 at 12.4 (scripts/probe_fast_storage.py).
 DEFAULT_IO_THREADS = 8
-# A unit is what one thread reads or writes before its one device copy. Small units keep
-# each thread's staging in the CPU cache between the IO, the seal and the DMA: H200, one
-# RAM-backed drive, 8 threads: cold load 5.07 GiB/s with 2 MiB units, 4.16 with 4 MiB,
-# 3.65 with 16 MiB (the 128-256 MiB of staging no longer fits the cache).
-DEFAULT_IO_UNIT_BYTES = 2 << 20
+# A unit is what one thread reads or writes before its one device copy. Each copy costs
+# a driver call and an event wait (a blocking one: a wake-up) whatever its size, so
+# small units cap the device copy: H200, 8 threads, 2 MiB llama blocks, device copy
+# alone 45-46 GiB/s with 16 MiB units, 15 with 2 MiB; four RAM-backed drives loaded
+# at 13.2 GiB/s with 16 MiB units and 6.0 with 2 MiB. (One RAM-backed drive alone
+# preferred 2 MiB, 5.07 against 3.65 GiB/s: its CPU copies want the staging in cache.)
+DEFAULT_IO_UNIT_BYTES = 16 << 20
 
 
 def default_io_threads(num_paths: int, num_buffer_slots: int = 1) -> int:
