@@ -45,9 +45,11 @@ DEFAULT_IO_THREADS = 8
 DEFAULT_IO_UNIT_BYTES = 16 << 20
 
 
-def default_io_threads(num_paths: int, num_buffer_slots: int = 1) -> int:
-    """IO threads per lane: up to 8, fewer when several disk paths share the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 8)
+def default_io_threads(num_paths: int, num_buffer_slots: int = 1, cores: Optional[int] = None) -> int:
+    """IO threads per lane: up to 8, fewer when several disk paths share the ``cores``
+    (default: the cores this process may run on)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 8)
     return max(num_buffer_slots, 2, min(DEFAULT_IO_THREADS, cores // num_paths))
 DEFAULT_JOIN_TIMEOUT_S = 10.0
 # How long init waits for its IO threads to bind the device (make a stream, maybe a

@@ -22,7 +22,7 @@ from kvsim.profile import SEALS
 MiB = 1 << 20
 # kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
 KVOFFLOAD_IO_THREADS = 8
-KVOFFLOAD_IO_UNIT_BYTES = 2 * MiB
+KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
 KINDS = ("cpu", "disk", "vllm-disk")
 # Options each kind accepts; a flag that would do nothing is refused.
