@@ -118,6 +118,7 @@ class Lane:
 
     def serve(self, buffers: list[tuple[torch.Tensor, memoryview]], ready: threading.Event) -> None:
         run = self.run
+        run.thread_started()
         try:
             try:
                 stream = run.dev.bind_thread(self.stream, run.layout, self.rows)
@@ -216,7 +217,7 @@ class Run:
         self.copies = 0
         self.fatal: Optional[BackendFatalError] = None
         self.bind_errors: list[BaseException] = []  # IO threads that could not start
-        self.alive = 0  # IO threads started and not ended
+        self.alive = 0  # IO threads running (each counts itself in and out)
         self.abandoned = False  # shutdown gave up on a thread: the last one out closes the run
         self.bytes_written = 0
         self.bytes_read = 0
@@ -233,17 +234,12 @@ class Run:
                     ready = threading.Event()
                     t = threading.Thread(target=lane.serve, args=(lane.staging(), ready),
                                          name=f"kvoffload-{lane.direction}-{k}", daemon=True)
-                    # Counted and listed before start: stop() joins only started threads,
-                    # and a thread that ends decrements what was counted for it.
+                    # Listed before start, so stop() finds it however start() ends: an
+                    # interrupt inside Thread.start() may come after the thread exists.
+                    # The thread counts itself (thread_started), so it is never counted
+                    # twice or not at all.
                     lane.threads.append(t)
-                    with self.lock:
-                        self.alive += 1
-                    try:
-                        t.start()
-                    except BaseException:
-                        with self.lock:
-                            self.alive -= 1
-                        raise
+                    t.start()
                     started.append((t, ready))
         _LIVE.add(self)
         # A thread that cannot set up its device state would leave its lane short
@@ -362,7 +358,10 @@ class Run:
     def stop(self, deadline: float, clock) -> list[threading.Thread]:
         """Stop the threads by ``deadline``; end every open job. Returns the threads still alive."""
         self.begin_close()
-        threads = [t for t in self.threads() if t.ident is not None]
+        # Only running threads can be joined. One whose start() was interrupted may
+        # begin later: it finds `closing` set and its sentinel queued, and ends
+        # without touching the files.
+        threads = [t for t in self.threads() if t.is_alive()]
         if not self.forked:
             for lanes in self.lanes.values():
                 for lane in lanes:
@@ -390,6 +389,10 @@ class Run:
             self.close()
         else:
             _ABANDONED.add(self)
+
+    def thread_started(self) -> None:
+        with self.lock:
+            self.alive += 1
 
     def thread_ended(self) -> None:
         with self.lock:
