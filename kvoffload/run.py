@@ -268,7 +268,7 @@ class Run:
         per_lane: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         for b, s in zip(blocks, slots):
             per_lane[s % n].append((b, s))
-        job = Job(event, is_store, pending=0)
+        job = Job(event, is_store, pending=0, job_id=next(self.job_ids))
         units = []
         for lane, pairs in zip(lanes, per_lane):
             for i in range(0, len(pairs), lane.rows):
@@ -276,28 +276,31 @@ class Run:
                 units.append((lane, Unit(job, [b for b, _ in chunk], [s for _, s in chunk],
                                          [s // n for _, s in chunk], wait_event)))
         job.pending = len(units)
-        with self.lock:
-            if self.fatal is not None:
-                raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
-            if self.closing:
-                raise RuntimeError("DiskBackend is shutting down")
-            job.job_id = next(self.job_ids)
-            # Registered before any unit is queued: whatever happens from here on
-            # (an interrupt, a shutdown in another thread), shutdown ends it.
-            self.open_jobs[job.job_id] = job
-        if not units:  # an empty job
-            self.end_job(job, failed=False)
+        queues = [lane.queue for lane, _ in units]
+        items = [unit for _, unit in units]
         queued = 0
         try:
-            for lane, unit in units:
-                lane.queue.put(unit)
-                queued += 1
+            with self.lock:
+                if self.fatal is not None:
+                    raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
+                if self.closing:
+                    raise RuntimeError("DiskBackend is shutting down")
+                # Registered before any unit is queued: whatever happens from here on
+                # (an interrupt, a shutdown in another thread), shutdown ends it.
+                self.open_jobs[job.job_id] = job
+            if not units:  # an empty job
+                self.end_job(job, failed=False)
+            # Every unit in one C-level loop, counted in the same line: an interrupt
+            # (Ctrl-C acts between Python lines) comes before all of them or after.
+            queued = len(list(map(queue.SimpleQueue.put, queues, items)))
             # Last: the worker never sees an event whose job is not fully queued.
             events_list.append((event_idx, event))
         except BaseException:
-            # Interrupted: the units never queued count as failed, so the job ends.
-            for lane, unit in units[queued:]:
-                lane.finish(unit, failed=set(range(len(unit.slots))))
+            # Interrupted between registering the job and queueing it: no unit will
+            # ever run, so they end now as failed, and the job with them.
+            if not queued and self.open_jobs.get(job.job_id) is job:
+                for lane, unit in units:
+                    lane.finish(unit, failed=set(range(len(unit.slots))))
             raise
 
     def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
