@@ -209,7 +209,7 @@ class Run:
         self.job_ids = itertools.count()
         self.closing = False
         self.forked = False
-        self.closed = False
+        self.close_lock = threading.Lock()  # one close() at a time: shutdown's, or the last thread's
         # Orders loads' device copies against `closing`: a job that shutdown ended
         # as failed must not get device blocks written afterwards. Held only to
         # check and count, never across the copy, so threads copy side by side.
@@ -406,20 +406,24 @@ class Run:
             self.close()
 
     def close(self) -> None:
-        """Release files and staging; only when no IO thread can touch them any more."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        _LIVE.discard(self)
-        if not self.forked:  # a forked child has no device context to unregister from
-            for buf in self.pinned:
-                try:
-                    self.dev.unpin(buf)
-                except Exception as e:  # noqa: BLE001 - best effort, and the next buffer still goes
-                    logger.warning("kvoffload: unpinning staging failed: %s", e)
-        for f in self.files:
-            f.close(self.osc, discard=not self.forked)
+        """Release files and staging; only when no IO thread can touch them any more.
+
+        Resumable: a buffer or file leaves its list only once released, so a close cut
+        short (an interrupt inside shutdown) is finished by the next one.
+        """
+        with self.close_lock:
+            _LIVE.discard(self)
+            while self.pinned:
+                if not self.forked:  # a forked child has no device context to unregister from
+                    try:
+                        self.dev.unpin(self.pinned[-1])
+                    except Exception as e:  # noqa: BLE001 - best effort, and the next buffer still goes
+                        logger.warning("kvoffload: unpinning staging failed: %s", e)
+                # Dropped after the unpin: an interrupt in between repeats the unpin (a
+                # no-op for a buffer no longer pinned), never skips it.
+                self.pinned.pop()
+            for f in self.files:
+                f.close(self.osc, discard=not self.forked)
 
 
 def units_of(rows: Sequence[int], skip: frozenset[int] | set[int] = frozenset()):
