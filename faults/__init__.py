@@ -33,10 +33,12 @@ What the fakes do NOT model (RocksDB style):
 """
 
 from faults._attacks import SymlinkRace, Victim, plant_symlink, symlinked_parent, world_writable_dir
+from faults._interrupt import LineInterrupt, Where, sweep_lines
 from faults._invariants import (
     FdWatch,
     Ledger,
     Op,
+    PinWatch,
     assert_dir_clean,
     assert_mode_0600,
     fd_table,
@@ -60,8 +62,9 @@ from faults._sweep import run_point, run_workload, standard_workload, sweep
 
 __all__ = [
     "ABSENT", "CALL_SITES", "DEFAULT_ERRNO", "INVALID", "CallInfo", "Fault", "FaultyOsCalls", "FdWatch",
-    "Fired", "InjectedOSError", "KvChecker", "Ledger", "Maybe", "Op", "SymlinkRace", "Victim",
+    "Fired", "InjectedOSError", "KvChecker", "Ledger", "LineInterrupt", "Maybe", "Op", "PinWatch", "SymlinkRace",
+    "Victim", "Where",
     "assert_dir_clean", "assert_mode_0600", "block_data", "fd_table", "fs_type", "injected_error",
     "is_injected", "kvoffload_threads", "make_caches", "plant_symlink", "run_point", "run_workload", "standard_workload",
-    "sweep", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
+    "sweep", "sweep_lines", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
 ]

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import torch
+
+from kvoffload.device import CpuDevice
+
 TMPFS_MAGIC = 0x01021994
 EXT4_SUPER_MAGIC = 0xEF53
 
@@ -109,6 +113,30 @@ def wait_threads_gone(timeout: float = 10.0) -> None:
     while kvoffload_threads():
         assert time.monotonic() < deadline, f"IO threads still alive: {kvoffload_threads()}"
         time.sleep(0.005)
+
+
+class PinWatch(CpuDevice):
+    """The CPU device, recording which host buffers are pinned now (what a GPU's
+    ``cudaHostRegister`` holds): everything a run pins must be unpinned when it ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pinned: dict[int, torch.Tensor] = {}
+        self.pins = 0
+
+    def pin(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self.pinned[host.data_ptr()] = host
+            self.pins += 1
+
+    def unpin(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self.pinned.pop(host.data_ptr(), None)
+
+    def assert_unpinned(self) -> None:
+        with self._lock:
+            left = len(self.pinned)
+        assert not left, f"{left} staging buffer(s) still pinned"
 
 
 class _Statfs(ctypes.Structure):
