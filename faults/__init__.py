@@ -32,7 +32,7 @@ What the fakes do NOT model (RocksDB style):
   hook and compare ``info.args[0]`` with the fd instead).
 """
 
-from faults._attacks import SymlinkRace, Victim, plant_symlink, symlinked_parent, world_writable_dir
+from faults._attacks import SymlinkRace, Tamper, Victim, plant_symlink, symlinked_parent, world_writable_dir
 from faults._interrupt import LineInterrupt, Where, sweep_lines
 from faults._invariants import (
     FdWatch,
@@ -63,7 +63,7 @@ from faults._sweep import run_point, run_workload, standard_workload, sweep
 __all__ = [
     "ABSENT", "CALL_SITES", "DEFAULT_ERRNO", "INVALID", "CallInfo", "Fault", "FaultyOsCalls", "FdWatch",
     "Fired", "InjectedOSError", "KvChecker", "Ledger", "LineInterrupt", "Maybe", "Op", "PinWatch", "SymlinkRace",
-    "Victim", "Where",
+    "Tamper", "Victim", "Where",
     "assert_dir_clean", "assert_mode_0600", "block_data", "fd_table", "fs_type", "injected_error",
     "is_injected", "kvoffload_threads", "make_caches", "plant_symlink", "run_point", "run_workload", "standard_workload",
     "sweep", "sweep_lines", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
