@@ -186,6 +186,45 @@ def test_concurrent_inits_on_one_path_all_succeed(fd_guard, cache_dir, named):
     assert_dir_clean(cache_dir)
 
 
+# Each process starts its inits when the go file appears, so they overlap.
+_INIT_LOOP = """
+import os, sys, time
+from kvoffload import DiskBackend
+from kvoffload.device import random_caches
+d, named, rounds, go = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
+caches = random_caches("cpu", 2, [4096])
+while not os.path.exists(go):
+    time.sleep(0.001)
+failed = 0
+for _ in range(rounds):
+    b = DiskBackend()
+    try:
+        b.init(caches, "cpu", None, None, os.path.join(d, "kv.bin"), 4, 4096, named_file=named, io_threads=1,
+               report_load_errors=True)
+    except OSError as e:
+        failed += 1
+        print(f"init failed: {e}", file=sys.stderr)
+    b.shutdown()
+print(failed)
+"""
+
+
+@NAMED
+def test_concurrent_inits_in_processes_all_succeed(cache_dir, tmp_path, named):
+    """Inits from several processes on one path (class 11: a few percent failed with
+    "cannot secure ...: No such file or directory" when one removed the other's file)."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _INIT_LOOP, str(cache_dir), str(int(named)), "30", str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    time.sleep(0.5)
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
+    failures = sum(int(out) for out, _ in results)
+    assert failures == 0, "".join(err for _, err in results)[-3000:]
+    assert_dir_clean(cache_dir)
+
+
 @NAMED
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o277, 0o000])
 def test_file_mode_is_0600(fd_guard, cache_dir, named, umask):
