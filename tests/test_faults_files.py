@@ -3,6 +3,7 @@ and kill -9: nothing outside the slot file is written, no KV byte is left under 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -316,6 +317,52 @@ def test_kill_9_in_the_named_window_leaves_an_empty_file_that_next_init_removes(
     b, caches = start(cache_dir, True)  # the stale file is removed at the next start
     try:
         assert_dir_clean(cache_dir)
+        use(b, caches)
+    finally:
+        b.shutdown()
+    assert_dir_clean(cache_dir)
+
+
+@NAMED
+@pytest.mark.parametrize("how", ["trailing-slash", "existing-directory", "dot"])
+def test_disk_path_naming_a_directory_is_refused(fd_guard, tmp_path, cache_dir, named, how):
+    """Class 6 of issue 13: '/mnt/nvme/' put the anonymous file in /mnt (the parent), and
+    named mode failed with a misleading message."""
+    path = {"trailing-slash": f"{cache_dir}/", "existing-directory": str(cache_dir),
+            "dot": f"{cache_dir}/."}[how]
+    before = sorted(os.listdir(tmp_path))
+    b = DiskBackend()
+    with pytest.raises(ValueError, match=r"names a directory; give a file path inside it"):
+        b.init(make_caches("cpu", 2, [4096]), "cpu", None, None, path, 4, 4096, named_file=named,
+               report_load_errors=True)
+    assert b.closing
+    assert sorted(os.listdir(tmp_path)) == before
+    assert_dir_clean(cache_dir)
+    wait_threads_gone()
+
+
+class CreatesThenRefusesDirect(FaultyOsCalls):
+    """A file system without O_DIRECT that creates the file, then fails the open with
+    EINVAL (O_TMPFILE fails the same way, without a file)."""
+
+    def open(self, path, flags, mode=0o600, *, dir_fd=None):
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:
+                os.close(os.open(path, (flags & ~os.O_DIRECT) | os.O_RDWR, mode, dir_fd=dir_fd))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().open(path, flags, mode, dir_fd=dir_fd)
+
+
+@NAMED
+def test_failed_start_without_o_direct_leaves_no_file(fd_guard, cache_dir, named):
+    """Class 12 of issue 13: on a file system without O_DIRECT a failed start left an
+    empty file at disk_path."""
+    with pytest.raises(SlotFileError, match="does not support O_DIRECT; set use_page_cache=True"):
+        start(cache_dir, named, CreatesThenRefusesDirect())
+    assert_dir_clean(cache_dir)
+    wait_threads_gone()
+    b, caches = start(cache_dir, named, CreatesThenRefusesDirect(), use_page_cache=True)  # what the error says
+    try:
         use(b, caches)
     finally:
         b.shutdown()
