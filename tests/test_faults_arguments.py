@@ -227,17 +227,19 @@ def test_generated_launch_copy_arguments(subject, call):
     assert all(after[b] == before[b] for b in untouched), "a load wrote a block outside its job"
 
 
-def test_one_element_numpy_ids_move_their_block(subject):
-    """Class 3 of issue 13: ``if not src_blocks`` took a one-element array for an empty job."""
-    want = subject.block(2)
+@pytest.mark.parametrize("array", [np.array, torch.tensor], ids=["numpy", "torch"])
+def test_one_element_arrays_of_id_0_move_their_block(subject, array):
+    """Class 3 of issue 13: ``if not src_blocks`` took ``array([0])`` (falsy) for an empty
+    job: the store wrote nothing, the load reported ok and the block kept its old bytes."""
+    want = subject.block(0)
     ev: list = []
-    subject.b.launch_copy(np.array([2]), np.array([7]), True, 0, ev)
+    subject.b.launch_copy(array([0]), array([0]), True, 0, ev)
     wait(ev[0][1])
-    subject.slots[7] = want
+    subject.slots[0] = want
     subject.refill()
-    subject.b.launch_copy(np.array([7]), np.array([2]), False, 1, ev)
+    subject.b.launch_copy(array([0]), array([0]), False, 1, ev)
     wait(ev[1][1])
-    assert ev[1][1].ok and subject.block(2) == want
+    assert ev[1][1].ok and subject.block(0) == want
 
 
 # -- layouts -------------------------------------------------------------------------
