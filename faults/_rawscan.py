@@ -49,6 +49,11 @@ b.shutdown()
 """
 
 
+class LoopSetupError(RuntimeError):
+    """The loop device or file system could not be set up here (no free loop device,
+    mount not allowed in this container, ...): a reason to skip, not a backend failure."""
+
+
 class LoopExt4:
     """An ext4 file system of ``size_mib`` on a loop device over an image file, mounted at
     ``mnt`` (mode 0700). Unmounted, detached and deleted on exit, whatever happened."""
@@ -80,8 +85,10 @@ class LoopExt4:
             _run("mkfs.ext4", "-q", "-F", self.dev)
             self.mnt.mkdir()
             self.mount()
-        except BaseException:
+        except BaseException as e:
             self.__exit__(None, None, None)
+            if isinstance(e, RuntimeError):
+                raise LoopSetupError(str(e)) from e
             raise
         return self
 

@@ -10,7 +10,7 @@ import secrets
 
 import pytest
 
-from faults._rawscan import LoopExt4, count_marker, run_child
+from faults._rawscan import LoopExt4, LoopSetupError, count_marker, run_child
 
 pytestmark = pytest.mark.faults
 
@@ -26,17 +26,20 @@ def test_no_kv_byte_on_the_raw_device(end, page_cache, named):
     if why:
         pytest.skip(f"raw-device scan needs a loop-mounted ext4: {why}")
     marker = secrets.token_bytes(16)
-    with LoopExt4() as fs:
-        run_child(fs.mnt, marker, end, named, page_cache, encrypt=True, slots=SLOTS, block_bytes=BLOCK)
-        fs.unmount()
-        found = count_marker(fs.image, marker)
-        print(f"{end}, {'named' if named else 'anonymous'}, {'page cache' if page_cache else 'O_DIRECT'}: "
-              f"default config {found} of {MARKERS_STORED} markers", end="")
-        assert found == 0, f"{found} plaintext markers readable from the device"
-        # Control, on the same file system: without encryption the bytes are there to find.
-        fs.mount()
-        run_child(fs.mnt, marker, end, named, page_cache, encrypt=False, slots=SLOTS, block_bytes=BLOCK)
-        fs.unmount()
-        control = count_marker(fs.image, marker)
-        print(f"; encrypt=False {control}")
-        assert control >= MARKERS_STORED // 2, f"the scan found only {control} markers of a plaintext run"
+    try:
+        with LoopExt4() as fs:
+            run_child(fs.mnt, marker, end, named, page_cache, encrypt=True, slots=SLOTS, block_bytes=BLOCK)
+            fs.unmount()
+            found = count_marker(fs.image, marker)
+            print(f"{end}, {'named' if named else 'anonymous'}, {'page cache' if page_cache else 'O_DIRECT'}: "
+                  f"default config {found} of {MARKERS_STORED} markers", end="")
+            assert found == 0, f"{found} plaintext markers readable from the device"
+            # Control, on the same file system: without encryption the bytes are there to find.
+            fs.mount()
+            run_child(fs.mnt, marker, end, named, page_cache, encrypt=False, slots=SLOTS, block_bytes=BLOCK)
+            fs.unmount()
+            control = count_marker(fs.image, marker)
+            print(f"; encrypt=False {control}")
+            assert control >= MARKERS_STORED // 2, f"the scan found only {control} markers of a plaintext run"
+    except LoopSetupError as e:  # raised only while setting the file system up
+        pytest.skip(f"raw-device scan needs a loop-mounted ext4: {e}")
