@@ -3,9 +3,12 @@
 ``FaultyOsCalls`` wraps the backend's OS seam (``kvoffload.os_calls.OsCalls``)
 and, per call site and per occurrence counted across all threads, injects an
 errno, a real short write or read, a lying write, a bit flip read back, a delay
-or a hang on an Event the test holds. ``faults.plugin`` (entry point
-``pytest11``) adds ``--fault-seed``, the Hypothesis profiles ``ci``/``soak``
-and the fixtures; ``pytest -m faults`` runs the suite.
+or a hang on an Event the test holds. ``LineInterrupt`` raises a Ctrl-C at the
+N-th line a call runs; ``Tamper`` changes a live slot file from outside;
+``faults._rawscan`` scans a loop-mounted ext4 for plaintext. ``faults.plugin``
+(loaded by ``tests/conftest.py``) adds ``--fault-seed``, the Hypothesis profiles
+``ci``/``soak`` and the fixtures; ``pytest -m faults`` runs the suite and
+``python -m faults sweep [--json]`` the exhaustive single-fault sweep alone.
 
 What the fakes do NOT model (RocksDB style):
 
@@ -21,8 +24,9 @@ What the fakes do NOT model (RocksDB style):
   ``device_impl`` seam. Neither is EINTR: CPython retries it (PEP 475).
 - Only calls through the seam can fail: glibc-internal calls, the interpreter's
   own IO, memory allocation and thread creation cannot.
-- A lying write (``Fault.lie``) is detected only because the backend keeps
-  per-slot checksums; with ``checksums=False`` nothing could detect it.
+- A lying write (``Fault.lie``) is detected only because the backend seals
+  every slot (AES-GCM tag or xxh3 checksum); with ``encrypt=False,
+  checksums=False`` nothing could detect it.
 - Bit flips happen in the bytes read back (``preadv``), not on the media; the
   corruption tests flip a real bit on disk separately.
 - A hang blocks the Python thread inside the seam before the real call; a
@@ -32,11 +36,15 @@ What the fakes do NOT model (RocksDB style):
   hook and compare ``info.args[0]`` with the fd instead).
 """
 
-from faults._attacks import SymlinkRace, Victim, plant_symlink, symlinked_parent, world_writable_dir
+from faults._attacks import SymlinkRace, Tamper, Victim, plant_symlink, symlinked_parent, world_writable_dir
+from faults._interrupt import LineInterrupt, Where, sweep_lines
 from faults._invariants import (
+    KINDS,
     FdWatch,
     Ledger,
     Op,
+    PinWatch,
+    Violation,
     assert_dir_clean,
     assert_mode_0600,
     fd_table,
@@ -56,12 +64,13 @@ from faults._seam import (
     injected_error,
     is_injected,
 )
-from faults._sweep import run_point, run_workload, standard_workload, sweep
+from faults._sweep import SITES, SweepReport, run_point, run_workload, standard_workload, sweep, sweep_all
 
 __all__ = [
-    "ABSENT", "CALL_SITES", "DEFAULT_ERRNO", "INVALID", "CallInfo", "Fault", "FaultyOsCalls", "FdWatch",
-    "Fired", "InjectedOSError", "KvChecker", "Ledger", "Maybe", "Op", "SymlinkRace", "Victim",
+    "ABSENT", "CALL_SITES", "DEFAULT_ERRNO", "INVALID", "KINDS", "SITES", "SweepReport", "Violation", "CallInfo", "Fault", "FaultyOsCalls", "FdWatch",
+    "Fired", "InjectedOSError", "KvChecker", "Ledger", "LineInterrupt", "Maybe", "Op", "PinWatch", "SymlinkRace",
+    "Tamper", "Victim", "Where",
     "assert_dir_clean", "assert_mode_0600", "block_data", "fd_table", "fs_type", "injected_error",
     "is_injected", "kvoffload_threads", "make_caches", "plant_symlink", "run_point", "run_workload", "standard_workload",
-    "sweep", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
+    "sweep", "sweep_all", "sweep_lines", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
 ]

@@ -1,7 +1,10 @@
-"""Attacks on the slot file's path: symlinks planted, raced or put above it.
+"""Attacks on the slot file: symlinks planted, raced or put above its path, and
+tampering with the live file itself.
 
 Each helper sets the trap; ``Victim`` is the file an attacker wants written or
-truncated, and proves afterwards that it is byte-identical.
+truncated, and proves afterwards that it is byte-identical. ``Tamper`` changes a
+live slot file from outside the backend, through ``/proc/self/fd`` (as any
+process of the same user could through ``/proc/<pid>/fd``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from faults._seam import CallInfo, FaultyOsCalls
+from kvoffload.os_calls import OsCalls
 
 
 @dataclass
@@ -83,3 +87,48 @@ class SymlinkRace:
             return
         os.symlink(self.target, self.link)
         self.planted += 1
+
+
+class Tamper:
+    """Changes a live slot file through its ``/proc/self/fd`` link, with a descriptor of
+    its own (buffered, not O_DIRECT): the backend's fd, offsets and records are not touched."""
+
+    def __init__(self, fd: int) -> None:
+        self.link = f"/proc/self/fd/{fd}"
+
+    def _open(self) -> int:
+        return os.open(self.link, os.O_RDWR)
+
+    def truncate(self, size: int) -> None:
+        fd = self._open()
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    def scribble(self, offset: int, length: int, seed: int = 0) -> None:
+        """Overwrite [offset, offset + length) with seeded random bytes."""
+        data = hashlib.shake_256(f"{seed}:{offset}".encode()).digest(length)
+        self.write(offset, data)
+
+    def write(self, offset: int, data: bytes) -> None:
+        fd = self._open()
+        try:
+            assert os.pwrite(fd, data, offset) == len(data)
+        finally:
+            os.close(fd)
+
+    def read(self, offset: int, length: int) -> bytes:
+        fd = self._open()
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def punch(self, offset: int, length: int) -> None:
+        """Free [offset, offset + length): it reads back as zeros."""
+        fd = self._open()
+        try:
+            OsCalls().punch_hole(fd, offset, length)
+        finally:
+            os.close(fd)

@@ -12,8 +12,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import torch
+
+from kvoffload.device import CpuDevice
+
 TMPFS_MAGIC = 0x01021994
 EXT4_SUPER_MAGIC = 0xEF53
+
+# What a broken invariant is counted as in the sweep's report (``python -m faults sweep``).
+KINDS = ("hangs", "lost_completions", "wrong_data", "leaked_files", "leaked_fds")
+
+
+class Violation(AssertionError):
+    """A broken invariant, tagged with its kind (one of ``KINDS``) for the sweep's report.
+
+    - hangs: an IO thread or a call that does not end;
+    - lost_completions: a launched job that never completes, completes twice, out of
+      order, or a launch that appends no event or a wrong one;
+    - wrong_data: bytes or outcomes that disagree with the model (wrong bytes served,
+      a failure no fault explains, a bare or unclear error);
+    - leaked_files: a file left behind, or one others could read;
+    - leaked_fds: a file descriptor left open.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown violation kind {kind!r}; one of {KINDS}")
+        super().__init__(message)
+        self.kind = kind
+
+
+def expect(ok: Any, kind: str, message: str) -> None:
+    """Raise ``Violation(kind, message)`` unless ``ok``."""
+    if not ok:
+        raise Violation(kind, message)
 
 
 # -- file descriptors ---------------------------------------------------------------
@@ -64,13 +96,13 @@ class FdWatch:
     def check(self, near: Optional[Path] = None) -> None:
         new = self.new_fds()
         undeclared = {fd: t for fd, t in new.items() if fd not in self.declared}
-        assert not undeclared, f"fd(s) leaked: {undeclared}"
+        expect(not undeclared, "leaked_fds", f"fd(s) leaked: {undeclared}")
         missing = self.declared - set(new)
-        assert not missing, f"declared leaked fd(s) {missing} are not open"
+        expect(not missing, "leaked_fds", f"declared leaked fd(s) {missing} are not open")
         if near is not None:
             prefix = str(near)
             stray = {fd: t for fd, t in fd_table().items() if t.startswith(prefix) and fd not in self.declared}
-            assert not stray, f"fd(s) still open on {prefix}: {stray}"
+            expect(not stray, "leaked_fds", f"fd(s) still open on {prefix}: {stray}")
 
     def close_declared(self) -> None:
         for fd in sorted(self.declared):
@@ -92,12 +124,12 @@ def dir_entries(directory: Path, allow: Iterable[str] = ()) -> list[str]:
 
 def assert_dir_clean(directory: Path, allow: Iterable[str] = ()) -> None:
     left = dir_entries(directory, allow)
-    assert not left, f"file(s) left in {directory}: {left}"
+    expect(not left, "leaked_files", f"file(s) left in {directory}: {left}")
 
 
 def assert_mode_0600(fd: int) -> None:
     mode = stat.S_IMODE(os.fstat(fd).st_mode)
-    assert mode == 0o600, f"slot file mode is {mode:o}, want 600"
+    expect(mode == 0o600, "leaked_files", f"slot file mode is {mode:o}, want 600")
 
 
 def kvoffload_threads() -> list[threading.Thread]:
@@ -107,8 +139,32 @@ def kvoffload_threads() -> list[threading.Thread]:
 def wait_threads_gone(timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while kvoffload_threads():
-        assert time.monotonic() < deadline, f"IO threads still alive: {kvoffload_threads()}"
+        expect(time.monotonic() < deadline, "hangs", f"IO threads still alive: {kvoffload_threads()}")
         time.sleep(0.005)
+
+
+class PinWatch(CpuDevice):
+    """The CPU device, recording which host buffers are pinned now (what a GPU's
+    ``cudaHostRegister`` holds): everything a run pins must be unpinned when it ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pinned: dict[int, torch.Tensor] = {}
+        self.pins = 0
+
+    def pin(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self.pinned[host.data_ptr()] = host
+            self.pins += 1
+
+    def unpin(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self.pinned.pop(host.data_ptr(), None)
+
+    def assert_unpinned(self) -> None:
+        with self._lock:
+            left = len(self.pinned)
+        assert not left, f"{left} staging buffer(s) still pinned"
 
 
 class _Statfs(ctypes.Structure):
@@ -165,7 +221,7 @@ class Ledger:
         events: list = []
         idx = len(self.ops)
         backend.launch_copy(list(src), list(dst), is_store, idx, events, wait_event)
-        assert len(events) == 1 and events[0][0] == idx, f"launch_copy appended {events}"
+        expect(len(events) == 1 and events[0][0] == idx, "lost_completions", f"launch_copy appended {events}")
         op = Op(idx, is_store, list(src), list(dst), events[0][1])
         self.ops.append(op)
         return op
@@ -178,17 +234,18 @@ class Ledger:
         deadline = time.monotonic() + timeout
         for op in ops:
             left = deadline - time.monotonic()
-            assert op.event.wait(max(0.0, left)), f"job {op.idx} lost: not complete after {timeout} s"
+            expect(op.event.wait(max(0.0, left)), "lost_completions", f"job {op.idx} lost: not complete after {timeout} s")
 
     def check(self, indeterminate: Iterable[int] = (), in_order: bool = False) -> dict[str, int]:
         """Judge every op; returns the ok/fail/info counts (which sum to the ops launched)."""
         info = set(indeterminate)
         counts = {"ok": 0, "fail": 0, "info": 0}
         for op in self.ops:
-            assert self.done(op), f"job {op.idx} never completed"
-            assert op.event.ok in (True, False) and op.event.completion > 0
+            expect(self.done(op), "lost_completions", f"job {op.idx} never completed")
+            expect(op.event.ok in (True, False) and op.event.completion > 0, "lost_completions",
+                   f"job {op.idx} ended without an outcome")
             if op.idx in info:
-                assert not op.event.ok, f"job {op.idx} was in a hung worker yet reported ok"
+                expect(not op.event.ok, "wrong_data", f"job {op.idx} was in a hung worker yet reported ok")
                 op.status = "info"
             else:
                 op.status = "ok" if op.event.ok else "fail"
@@ -197,5 +254,6 @@ class Ledger:
         if in_order:
             for direction in (True, False):
                 orders = [op.event.completion for op in self.ops if op.is_store is direction]
-                assert orders == sorted(orders), f"{'store' if direction else 'load'} jobs completed out of order"
+                expect(orders == sorted(orders), "lost_completions",
+                       f"{'store' if direction else 'load'} jobs completed out of order")
         return counts

@@ -18,7 +18,7 @@ import torch
 
 from kvoffload.device import random_caches as make_caches  # noqa: F401 - re-exported by faults
 
-from faults._invariants import Ledger, Op
+from faults._invariants import Ledger, Op, expect
 from faults._seam import FaultyOsCalls, Fired
 
 
@@ -126,8 +126,8 @@ class KvChecker:
                 self._judge_load(op, before, load_errors, fired)
         stores = {s for op, _ in pending if op.is_store for s in op.slots}
         loads = {b for op, _ in pending if not op.is_store for b in op.blocks}
-        assert failed_slots <= stores, f"failed store slots {failed_slots - stores} belong to no job"
-        assert load_errors <= loads, f"load errors on blocks {load_errors - loads} belong to no job"
+        expect(failed_slots <= stores, "wrong_data", f"failed store slots {failed_slots - stores} belong to no job")
+        expect(load_errors <= loads, "wrong_data", f"load errors on blocks {load_errors - loads} belong to no job")
 
     def _fired_since(self) -> list[Fired]:
         if self.osc is None:
@@ -145,13 +145,12 @@ class KvChecker:
 
     def _judge_store(self, op: Op, before, failed_slots, fired) -> None:
         bad = [s for s in op.slots if s in failed_slots]
-        assert op.event.ok == (not bad), f"store job {op.idx}: event ok={op.event.ok} but failed slots {bad}"
+        expect(op.event.ok == (not bad), "wrong_data", f"store job {op.idx}: event ok={op.event.ok} but failed slots {bad}")
         self.stats["store_ok" if op.event.ok else "store_fail"] += 1
         for s, data in zip(op.slots, before):
             if s in failed_slots:
-                assert self.unjustified_ok or self._hit(fired, "pwritev", s, ("error", "short")) or self._closing(), (
-                    f"store job {op.idx}: slot {s} failed with no fault fired on it"
-                )
+                expect(self.unjustified_ok or self._hit(fired, "pwritev", s, ("error", "short")) or self._closing(),
+                       "wrong_data", f"store job {op.idx}: slot {s} failed with no fault fired on it")
                 self.model[s] = INVALID
             else:
                 # A slot inside a failed multi-slot write may still be reported stored: the
@@ -161,24 +160,25 @@ class KvChecker:
 
     def _judge_load(self, op: Op, before, load_errors, fired) -> None:
         bad = [b for b in op.blocks if b in load_errors]
-        assert op.event.ok == (not bad), f"load job {op.idx}: event ok={op.event.ok} but errors on {bad}"
+        expect(op.event.ok == (not bad), "wrong_data", f"load job {op.idx}: event ok={op.event.ok} but errors on {bad}")
         self.stats["load_ok" if op.event.ok else "load_fail"] += 1
         for s, b, old in zip(op.slots, op.blocks, before):
             want = self.model[s]
             got = block_data(self.caches, b)
             if b in load_errors:
-                assert got == old, f"load job {op.idx}: failed load of slot {s} changed device block {b}"
+                expect(got == old, "wrong_data", f"load job {op.idx}: failed load of slot {s} changed device block {b}")
                 justified = (
                     not isinstance(want, bytes)
                     or self.unjustified_ok
                     or self._hit(fired, "preadv", s, ("error", "short", "bitflip"))
                     or self._closing()
                 )
-                assert justified, f"load job {op.idx}: slot {s} holds acknowledged data but failed with no fault"
+                expect(justified, "wrong_data", f"load job {op.idx}: slot {s} holds acknowledged data but failed with no fault")
             else:
-                assert isinstance(want, (bytes, Maybe)), f"load job {op.idx}: slot {s} is {want!r} but was served as a hit"
+                expect(isinstance(want, (bytes, Maybe)), "wrong_data",
+                       f"load job {op.idx}: slot {s} is {want!r} but was served as a hit")
                 exp = want.data if isinstance(want, Maybe) else want
-                assert got == exp, f"load job {op.idx}: slot {s} served wrong bytes into block {b}"
+                expect(got == exp, "wrong_data", f"load job {op.idx}: slot {s} served wrong bytes into block {b}")
 
     def _closing(self) -> bool:
         return self.b.closing

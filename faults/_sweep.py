@@ -12,15 +12,53 @@ data, no file and no fd left.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
 import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from faults._invariants import FdWatch, Ledger, assert_dir_clean, assert_mode_0600, wait_threads_gone
+from faults._invariants import (
+    KINDS,
+    FdWatch,
+    Ledger,
+    Violation,
+    assert_dir_clean,
+    assert_mode_0600,
+    expect,
+    wait_threads_gone,
+)
 from faults._model import KvChecker, make_caches
 from faults._seam import Fault, FaultyOsCalls, is_injected
+
+# The exhaustive single-fault catalogue: each call site and the faults tried there.
+SITES: dict[str, list[Fault]] = {
+    "open": [Fault.error(errno.EACCES), Fault.error(errno.EINVAL), Fault.error(errno.EOPNOTSUPP)],
+    "fchmod": [Fault.error(errno.EPERM)],
+    "fstat": [Fault.error(errno.EIO)],
+    "fstatvfs": [Fault.error(errno.EIO)],
+    "dio_alignment": [Fault.error(errno.EIO)],
+    "fallocate": [Fault.error(errno.ENOSPC), Fault.error(errno.EOPNOTSUPP), Fault.error(errno.EIO)],
+    "ftruncate": [Fault.error(errno.EIO)],
+    "unlink": [Fault.error(errno.EACCES), Fault.error(errno.EBUSY)],
+    "close": [Fault.error(errno.EIO)],
+    "pwritev": [
+        Fault.error(errno.EIO), Fault.error(errno.ENOSPC), Fault.error(errno.EINVAL),
+        Fault.short(0.5), Fault.lie(), Fault.error(errno.EIO, after=True),
+    ],
+    "preadv": [
+        Fault.error(errno.EIO), Fault.error(errno.EINVAL), Fault.short(0.5),
+        Fault.bitflip(0, 3), Fault.error(errno.EIO, after=True),
+    ],
+}
+# ftruncate is only called when fallocate is unsupported: make it so for that site.
+BACKGROUND: dict[str, tuple] = {"ftruncate": (("fallocate", Fault.error(errno.EOPNOTSUPP)),)}
 
 # The standard workload's geometry: 576*2 + 3072 = 4224 B a block (not a multiple
 # of 512), so each slot is padded to 8192 under O_DIRECT; two slots per IO unit.
@@ -81,20 +119,26 @@ def _leftover_ok(directory: Path, osc: FaultyOsCalls, allowed: bool) -> bool:
     names = os.listdir(directory)
     if not names:
         return False
-    assert len(names) == 1 and names[0].startswith(".kv.bin.kvoffload-") and allowed and osc.fired["unlink"] >= 1, (
-        f"init failure left {names}")
+    expect(len(names) == 1 and names[0].startswith(".kv.bin.kvoffload-") and allowed and osc.fired["unlink"] >= 1,
+           "leaked_files", f"init failure left {names}")
     st = os.lstat(directory / names[0])
-    assert stat.S_ISREG(st.st_mode) and st.st_size == 0, "leftover holds data"
+    expect(stat.S_ISREG(st.st_mode) and st.st_size == 0, "leaked_files", "leftover holds data")
     return True
+
+
+def schedule(call: str, n: int, fault: Fault, persistent: bool, background: tuple = ()) -> FaultyOsCalls:
+    """A seam failing ``call`` #n (and every later one if ``persistent``), over ``background`` faults."""
+    osc = FaultyOsCalls()
+    for bcall, bfault in background:
+        osc.fail_from(bcall, 1, bfault)
+    (osc.fail_from if persistent else osc.fail_nth)(call, n, fault)
+    return osc
 
 
 def run_point(directory: Path, named: bool, call: str, n: int, fault: Fault, persistent: bool,
               background: tuple = (), device="cpu", use_page_cache: bool = False) -> Outcome:
     """One fault point: fail ``call`` #n (and later ones if ``persistent``), run, check."""
-    osc = FaultyOsCalls()
-    for bcall, bfault in background:
-        osc.fail_from(bcall, 1, bfault)
-    (osc.fail_from if persistent else osc.fail_nth)(call, n, fault)
+    osc = schedule(call, n, fault, persistent, background)
     out = run_workload(directory, named, osc, device, use_page_cache, leftover_ok=persistent)
     out.n, out.fired, out.reached = n, osc.fired[call], osc.calls[call] >= n
     return out
@@ -116,9 +160,9 @@ def run_workload(directory: Path, named: bool, osc: FaultyOsCalls, device="cpu",
         wait_threads_gone()
         fds.check(near=directory)
         left = _leftover_ok(directory, osc, leftover_ok)
-        assert is_injected(e, chain=True), f"init failed without an injected cause: {e!r}"
-        assert isinstance(e, SlotFileError), f"init raised a bare {type(e).__name__}: {e}"
-        assert str(directory) in str(e), f"init error does not name the path: {e}"
+        expect(is_injected(e, chain=True), "wrong_data", f"init failed without an injected cause: {e!r}")
+        expect(isinstance(e, SlotFileError), "wrong_data", f"init raised a bare {type(e).__name__}: {e}")
+        expect(str(directory) in str(e), "wrong_data", f"init error does not name the path: {e}")
         _fault_free_round_trip(directory, named, device, use_page_cache)
         assert_dir_clean(directory)
         return Outcome(0, sum(osc.fired.values()), True, True, e, left)
@@ -148,7 +192,8 @@ def _fault_free_round_trip(directory: Path, named: bool, device, use_page_cache:
         ck.store([0, 1], [3, 4])
         ck.load([3, 4], [2, 3])
         ck.drain()
-        assert ck.stats == {"store_ok": 1, "store_fail": 0, "load_ok": 1, "load_fail": 0}
+        expect(ck.stats == {"store_ok": 1, "store_fail": 0, "load_ok": 1, "load_fail": 0}, "wrong_data",
+               f"fault-free round trip after a failed init: {ck.stats}")
     finally:
         b.shutdown()
     fds.check(near=directory)
@@ -170,3 +215,98 @@ def sweep(directory: Path, named: bool, call: str, fault: Fault, persistent: boo
     else:
         raise AssertionError(f"workload still reached {call} #{limit}")
     return outcomes
+
+
+# -- the whole catalogue, counted rather than asserted (python -m faults sweep) -------------
+
+
+@dataclass
+class SweepReport:
+    """Fault points run, points that kept every invariant, and broken ones by kind
+    (``KINDS``), in all and per call site; one line per broken point in ``failures``."""
+
+    points: int = 0
+    survived: int = 0
+    seconds: float = 0.0
+    broken: Counter = field(default_factory=Counter)
+    sites: dict[str, Counter] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, call: str, kind: Optional[str], what: str) -> None:
+        site = self.sites.setdefault(call, Counter())
+        self.points += 1
+        site["points"] += 1
+        if kind is None:
+            self.survived += 1
+            site["survived"] += 1
+        else:
+            self.broken[kind] += 1
+            site[kind] += 1
+            self.failures.append(f"{kind}: {what}")
+
+    def summary(self) -> dict:
+        """The one JSON object: points, survived, each kind, seconds."""
+        return {"points": self.points, "survived": self.survived, **{k: self.broken[k] for k in KINDS},
+                "seconds": round(self.seconds, 1)}
+
+    def table(self) -> str:
+        heads = ["call site", "points", "survived", *KINDS]
+        rows = [[call, c["points"], c["survived"], *(c[k] for k in KINDS)] for call, c in self.sites.items()]
+        rows.append(["total", self.points, self.survived, *(self.broken[k] for k in KINDS)])
+        widths = [max(len(str(r[i])) for r in [heads, *rows]) for i in range(len(heads))]
+        fmt = lambda r: "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w)  # noqa: E731
+                                  for i, (v, w) in enumerate(zip(r, widths)))
+        return "\n".join([fmt(heads), *map(fmt, rows), f"{self.points} fault points in {self.seconds:.1f} s"])
+
+
+def _judged_point(directory: Path, named: bool, call: str, n: int, fault: Fault, persistent: bool,
+                  use_page_cache: bool, timeout: float) -> tuple[bool, Optional[str], str]:
+    """(whether call #n was reached, the kind of broken invariant or None, what broke)."""
+    osc = schedule(call, n, fault, persistent, BACKGROUND.get(call, ()))
+    result: list = []
+
+    def body() -> None:
+        try:
+            run_workload(directory, named, osc, "cpu", use_page_cache, leftover_ok=persistent)
+            result.append((None, ""))
+        except Violation as v:
+            result.append((v.kind, str(v)))
+        except BaseException as e:  # noqa: BLE001 - any other exception is a wrong outcome, counted
+            result.append(("wrong_data", f"{type(e).__name__}: {e}"))
+
+    # A point that never returns is a hang: judged after `timeout`, its thread left behind.
+    t = threading.Thread(target=body, name="faults-sweep-point", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not result:
+        return True, "hangs", f"still running after {timeout} s"
+    kind, what = result[0]
+    return osc.calls[call] >= n, kind, what
+
+
+def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Iterable[bool] = (False, True),
+              page_cache: Iterable[bool] = (False, True), persistent: Iterable[bool] = (False, True),
+              limit: int = 200, timeout: float = 120.0) -> SweepReport:
+    """Every call site (of ``calls``) x its faults x N = 1.. until unreached, under every
+    combination asked for; each point in a fresh subdirectory of ``directory``."""
+    wanted = list(SITES) if calls is None else list(calls)
+    unknown = set(wanted) - set(SITES)
+    if unknown:
+        raise ValueError(f"unknown call site(s) {sorted(unknown)}; known: {', '.join(SITES)}")
+    report = SweepReport()
+    t0 = time.monotonic()
+    dirs = itertools.count()
+    for call in wanted:
+        for fault, pers, nm, pc in itertools.product(SITES[call], persistent, named, page_cache):
+            for n in range(1, limit + 1):
+                d = directory / f"p{next(dirs)}"
+                d.mkdir(mode=0o700)
+                reached, kind, what = _judged_point(d, nm, call, n, fault, pers, pc, timeout)
+                if reached or kind is not None:  # the fault-free end of a sweep counts only if it broke
+                    report.add(call, kind, f"{call} #{n} {fault!r} {'persistent' if pers else 'transient'} "
+                                           f"{'named' if nm else 'anonymous'} {'page cache' if pc else 'O_DIRECT'}: "
+                                           f"{what}")
+                if not reached:
+                    break
+    report.seconds = time.monotonic() - t0
+    return report

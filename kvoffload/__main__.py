@@ -1,8 +1,12 @@
 """`python -m kvoffload`: a store/load round trip through a real slot file, with throughput.
 
-A quick check that a disk path works (O_DIRECT, space, permissions) and how fast
-the whole pipeline moves blocks on this machine. Runs on CPU tensors unless
-``--device cuda`` is given.
+A quick check that a directory works for the backend (O_DIRECT, space,
+permissions, and the backend's own refusals: a symlinked directory, or a
+world-writable one without the sticky bit) and how fast the whole pipeline moves
+blocks there. ``--dir D`` puts the slot file in D itself, exactly as
+``disk_path=D/<name>`` would. Runs on CPU tensors unless ``--device cuda`` is
+given. A mistake in the arguments or the directory is one line on stderr, exit
+code 2; a failed round trip exits 1.
 """
 
 from __future__ import annotations
@@ -15,49 +19,118 @@ import time
 
 import torch
 
+from kvoffload.device import random_caches
 from kvoffload.disk_backend import DiskBackend
-from kvoffload.slot_file import round_up
+from kvoffload.slot_file import SlotFileError, round_up
+
+PROG = "python -m kvoffload"
+# The slot file's name in --dir. Anonymous by default, so it never appears; where the
+# file system has no O_TMPFILE, the named fallback would remove a stale file of this
+# name, hence one nobody else uses.
+CHECK_NAME = ".kvoffload-selfcheck"
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line naming it, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage and exits; we want one line
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--device {name!r}: {str(e).splitlines()[0]}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} GPU(s) visible)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+    elif device.type != "cpu":
+        raise UsageError(f"--device {name}: use cpu or cuda")
+    return device
+
+
+def _directory(path: str) -> str:
+    if not os.path.lexists(path):
+        raise UsageError(f"--dir {path}: no such directory")
+    if not os.path.isdir(path) and not os.path.islink(path):
+        raise UsageError(f"--dir {path}: not a directory")
+    return path  # a symlink, unwritable or world-writable one: the backend says so itself
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvoffload", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=None, help="directory for the slot file (default: a temp dir here)")
-    p.add_argument("--mib", type=int, default=256, help="MiB to store and load (default 256)")
-    p.add_argument("--tensors", type=int, default=64, help="cache tensors per block (default 64)")
-    p.add_argument("--tensor-kib", type=int, default=32, help="KiB per tensor per block (default 32)")
+    try:
+        return _run(argv)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str] | None) -> int:
+    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=None,
+                   help="directory the slot file goes in, as the backend would use it (default: a private temp dir here)")
+    p.add_argument("--mib", type=_positive_int, default=256, help="MiB to store and load (default 256)")
+    p.add_argument("--tensors", type=_positive_int, default=64, help="cache tensors per block (default 64)")
+    p.add_argument("--tensor-kib", type=_positive_int, default=32, help="KiB per tensor per block (default 32)")
     p.add_argument("--page-cache", action="store_true", help="use the page cache instead of O_DIRECT")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
+    device = _device(a.device)
     block = a.tensors * a.tensor_kib * 1024
-    nblocks = max(1, (a.mib << 20) // block)
-    caches = {
-        f"layer{i}": torch.randint(-128, 128, (nblocks, a.tensor_kib * 1024), dtype=torch.int8).to(device)
-        for i in range(a.tensors)
-    }
+    nblocks = (a.mib << 20) // block
+    if nblocks < 1:
+        raise UsageError(f"--mib {a.mib} holds no whole block of {block >> 10} KiB "
+                         f"(--tensors {a.tensors} x --tensor-kib {a.tensor_kib})")
+    if a.dir is not None:
+        return _round_trip(_directory(a.dir), device, nblocks, a)
+    with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".kvoffload-") as d:
+        return _round_trip(d, device, nblocks, a)
+
+
+def _round_trip(directory: str, device: torch.device, nblocks: int, a: argparse.Namespace) -> int:
+    block = a.tensors * a.tensor_kib * 1024
+    caches = random_caches(device, nblocks, [a.tensor_kib * 1024] * a.tensors)
     want = {k: v.clone() for k, v in caches.items()}
-    with tempfile.TemporaryDirectory(dir=a.dir or os.getcwd(), prefix=".kvoffload-") as d:
-        b = DiskBackend()
-        b.init(caches, device, None, None, os.path.join(d, "kv.bin"), nblocks, block,
+    b = DiskBackend()
+    try:
+        b.init(caches, device, None, None, os.path.join(directory, CHECK_NAME), nblocks, block,
                use_page_cache=a.page_cache, report_load_errors=True, capacity_bytes=nblocks * round_up(block, 4096))
-        try:
-            rates = {}
-            for name, is_store in (("store", True), ("load", False)):
-                if not is_store:
-                    for t in caches.values():
-                        t.zero_()
-                ev: list = []
-                t0 = time.perf_counter()
-                b.launch_copy(list(range(nblocks)), list(range(nblocks)), is_store, 0, ev)
-                ev[0][1].synchronize()
-                rates[name] = nblocks * block / (time.perf_counter() - t0) / 2**30
-                if not ev[0][1].ok:
-                    print(f"{name} failed: see the log", file=sys.stderr)
-                    return 1
-        finally:
-            b.shutdown()
+    except (SlotFileError, ValueError) as e:
+        raise UsageError(e.strerror if isinstance(e, OSError) and e.strerror else str(e)) from None
+    try:
+        rates = {}
+        for name, is_store in (("store", True), ("load", False)):
+            if not is_store:
+                for t in caches.values():
+                    t.zero_()
+            ev: list = []
+            t0 = time.perf_counter()
+            b.launch_copy(list(range(nblocks)), list(range(nblocks)), is_store, 0, ev)
+            ev[0][1].synchronize()
+            rates[name] = nblocks * block / (time.perf_counter() - t0) / 2**30
+            if not ev[0][1].ok:
+                print(f"{PROG}: {name} failed: see the log", file=sys.stderr)
+                return 1
+    finally:
+        b.shutdown()
     ok = all(torch.equal(caches[k], want[k]) for k in caches)
-    print(f"kvoffload round trip: {nblocks} blocks x {block // 1024} KiB on {device}, "
+    print(f"kvoffload round trip in {os.path.abspath(directory)}: {nblocks} blocks x {block // 1024} KiB on {device}, "
           f"{'page cache' if a.page_cache else 'O_DIRECT'}")
     print(f"  store {rates['store']:.2f} GiB/s   load {rates['load']:.2f} GiB/s   bytes verified: {ok}")
     return 0 if ok else 1

@@ -42,7 +42,10 @@ class BlockLayout:
         if not gpu_caches:
             raise ValueError("gpu_caches is empty: nothing to offload")
         views, offsets, total, num_blocks = [], [], 0, None
+        spans = []  # (device, first byte, end byte, name) of each cache's blocks
         for name, t in gpu_caches.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"cache {name!r} is a {type(t).__name__}, not a torch.Tensor")
             if t.dim() < 1 or t.shape[0] == 0:
                 raise ValueError(f"cache {name!r} has shape {tuple(t.shape)}: need [num_blocks, ...]")
             if num_blocks is not None and t.shape[0] != num_blocks:
@@ -69,6 +72,14 @@ class BlockLayout:
             views.append(v)
             offsets.append(total)
             total += bpb
+            spans.append((str(t.device), v.data_ptr(), v.data_ptr() + num_blocks * bpb, name))
+        # Caches that share bytes (one tensor twice, or views that overlap) would copy
+        # those bytes twice per block, and a load of one block would write into the
+        # block next to it. vLLM's worker passes each storage once.
+        spans.sort()
+        for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
+            if dev_a == dev_b and start_b < end_a:
+                raise ValueError(f"caches {a!r} and {b!r} overlap in memory: pass each cache tensor once")
         return cls(tuple(views), tuple(offsets), total, int(num_blocks))
 
     @functools.cached_property

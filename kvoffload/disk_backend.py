@@ -157,15 +157,16 @@ class DiskBackend:
             run.start_threads(start_timeout)
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
+            # Inside the try too: an init that raises, even from here, leaves nothing.
+            logger.info(
+                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s",
+                num_disk_slots, total_block_bytes, len(paths), threads,
+                {"aes-gcm": "encrypted (AES-GCM)", "xxh3": "checksums (xxh3)", "off": "no checks"}[run.seal.name],
+                "page cache" if use_page_cache else "O_DIRECT",
+            )
         except BaseException:
             self.shutdown()
             raise
-        logger.info(
-            "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s",
-            num_disk_slots, total_block_bytes, len(paths), threads,
-            {"aes-gcm": "encrypted (AES-GCM)", "xxh3": "checksums (xxh3)", "off": "no checks"}[run.seal.name],
-            "page cache" if use_page_cache else "O_DIRECT",
-        )
 
     def launch_copy(
         self,

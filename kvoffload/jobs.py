@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+from collections.abc import Sequence
 from typing import Any, Optional
 
 
@@ -85,10 +86,11 @@ class JobEvent:
 
 
 def block_ids(what: str, ids: Any) -> list[int]:
-    """``ids`` as a list of Python ints: a sequence (list, tuple, range, numpy or torch
-    1-D array) of integers. Floats and bools are refused: ``1.5`` must not copy block 1."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-        raise TypeError(f"{what} must be a sequence of block ids, got {type(ids).__name__}")
+    """``ids`` as a list of Python ints: an ordered sequence (list, tuple, range, numpy or
+    torch 1-D array) of integers. Floats and bools are refused: ``1.5`` must not copy
+    block 1. So are sets and dicts: sources pair with destinations by position."""
+    if isinstance(ids, (str, bytes)) or not (isinstance(ids, Sequence) or hasattr(ids, "tolist")):
+        raise TypeError(f"{what} must be an ordered sequence of block ids, got {type(ids).__name__}")
     if getattr(ids, "ndim", 1) != 1:
         raise TypeError(f"{what} must be one-dimensional, got shape {tuple(ids.shape)}")
     if hasattr(ids, "tolist"):  # numpy and torch: elements become Python numbers
@@ -97,6 +99,8 @@ def block_ids(what: str, ids: Any) -> list[int]:
     for i in ids:
         if isinstance(i, bool):
             raise TypeError(f"{what} holds {i!r}: block ids are integers, not bools")
+        if getattr(i, "ndim", 0) != 0:  # [tensor([2])] is nested, not the id 2
+            raise TypeError(f"{what} holds {i!r}: each block id must be a single integer")
         try:
             out.append(operator.index(i))
         except TypeError:
@@ -131,8 +135,11 @@ def check_job(
 
 def check_event_idx(event_idx: Any, events_list: Any) -> None:
     """The two arguments vLLM's worker polls by: refuse them before anything is queued."""
-    if isinstance(event_idx, bool):
-        raise TypeError(f"event_idx must be an int, got {event_idx!r}")
-    operator.index(event_idx)
+    try:
+        if isinstance(event_idx, bool):
+            raise TypeError
+        operator.index(event_idx)
+    except TypeError:
+        raise TypeError(f"event_idx must be an int, got {event_idx!r}") from None
     if not callable(getattr(events_list, "append", None)):
         raise TypeError(f"events_list must be a list, got {type(events_list).__name__}")

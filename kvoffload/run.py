@@ -136,6 +136,7 @@ class Lane:
 
     def serve(self, buffers: list[tuple[torch.Tensor, memoryview]], ready: threading.Event) -> None:
         run = self.run
+        run.thread_started()
         try:
             try:
                 stream = run.dev.bind_thread(self.stream, run.layout, self.rows)
@@ -228,7 +229,7 @@ class Run:
         self.job_ids = itertools.count()
         self.closing = False
         self.forked = False
-        self.closed = False
+        self.close_lock = threading.Lock()  # one close() at a time: shutdown's, or the last thread's
         # Orders loads' device copies against `closing`: a job that shutdown ended
         # as failed must not get device blocks written afterwards. Held only to
         # check and count, never across the copy, so threads copy side by side.
@@ -236,7 +237,7 @@ class Run:
         self.copies = 0
         self.fatal: Optional[BackendFatalError] = None
         self.bind_errors: list[BaseException] = []  # IO threads that could not start
-        self.alive = 0  # IO threads started and not ended
+        self.alive = 0  # IO threads running (each counts itself in and out)
         self.abandoned = False  # shutdown gave up on a thread: the last one out closes the run
         self.bytes_written = 0
         self.bytes_read = 0
@@ -253,17 +254,12 @@ class Run:
                     ready = threading.Event()
                     t = threading.Thread(target=lane.serve, args=(lane.staging(), ready),
                                          name=f"kvoffload-{lane.direction}-{k}", daemon=True)
-                    # Counted and listed before start: stop() joins only started threads,
-                    # and a thread that ends decrements what was counted for it.
+                    # Listed before start, so stop() finds it however start() ends: an
+                    # interrupt inside Thread.start() may come after the thread exists.
+                    # The thread counts itself (thread_started), so it is never counted
+                    # twice or not at all.
                     lane.threads.append(t)
-                    with self.lock:
-                        self.alive += 1
-                    try:
-                        t.start()
-                    except BaseException:
-                        with self.lock:
-                            self.alive -= 1
-                        raise
+                    t.start()
                     started.append((t, ready))
         _LIVE.add(self)
         # A thread that cannot set up its device state would leave its lane short
@@ -292,7 +288,7 @@ class Run:
         per_lane: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         for b, s in zip(blocks, slots):
             per_lane[s % n].append((b, s))
-        job = Job(event, is_store, pending=0)
+        job = Job(event, is_store, pending=0, job_id=next(self.job_ids))
         units = []
         for lane, pairs in zip(lanes, per_lane):
             for i in range(0, len(pairs), lane.rows):
@@ -300,28 +296,31 @@ class Run:
                 units.append((lane, Unit(job, [b for b, _ in chunk], [s for _, s in chunk],
                                          [s // n for _, s in chunk], wait_event)))
         job.pending = len(units)
-        with self.lock:
-            if self.fatal is not None:
-                raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
-            if self.closing:
-                raise RuntimeError("DiskBackend is shutting down")
-            job.job_id = next(self.job_ids)
-            # Registered before any unit is queued: whatever happens from here on
-            # (an interrupt, a shutdown in another thread), shutdown ends it.
-            self.open_jobs[job.job_id] = job
-        if not units:  # an empty job
-            self.end_job(job, failed=False)
+        queues = [lane.queue for lane, _ in units]
+        items = [unit for _, unit in units]
         queued = 0
         try:
-            for lane, unit in units:
-                lane.queue.put(unit)
-                queued += 1
+            with self.lock:
+                if self.fatal is not None:
+                    raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
+                if self.closing:
+                    raise RuntimeError("DiskBackend is shutting down")
+                # Registered before any unit is queued: whatever happens from here on
+                # (an interrupt, a shutdown in another thread), shutdown ends it.
+                self.open_jobs[job.job_id] = job
+            if not units:  # an empty job
+                self.end_job(job, failed=False)
+            # Every unit in one C-level loop, counted in the same line: an interrupt
+            # (Ctrl-C acts between Python lines) comes before all of them or after.
+            queued = len(list(map(queue.SimpleQueue.put, queues, items)))
             # Last: the worker never sees an event whose job is not fully queued.
             events_list.append((event_idx, event))
         except BaseException:
-            # Interrupted: the units never queued count as failed, so the job ends.
-            for lane, unit in units[queued:]:
-                lane.finish(unit, failed=set(range(len(unit.slots))))
+            # Interrupted between registering the job and queueing it: no unit will
+            # ever run, so they end now as failed, and the job with them.
+            if not queued and self.open_jobs.get(job.job_id) is job:
+                for lane, unit in units:
+                    lane.finish(unit, failed=set(range(len(unit.slots))))
             raise
 
     def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
@@ -393,7 +392,10 @@ class Run:
     def stop(self, deadline: float, clock) -> list[threading.Thread]:
         """Stop the threads by ``deadline``; end every open job. Returns the threads still alive."""
         self.begin_close()
-        threads = [t for t in self.threads() if t.ident is not None]
+        # Only running threads can be joined. One whose start() was interrupted may
+        # begin later: it finds `closing` set and its sentinel queued, and ends
+        # without touching the files.
+        threads = [t for t in self.threads() if t.is_alive()]
         if not self.forked:
             for lanes in self.lanes.values():
                 for lane in lanes:
@@ -422,6 +424,10 @@ class Run:
         else:
             _ABANDONED.add(self)
 
+    def thread_started(self) -> None:
+        with self.lock:
+            self.alive += 1
+
     def thread_ended(self) -> None:
         with self.lock:
             self.alive -= 1
@@ -431,20 +437,24 @@ class Run:
             self.close()
 
     def close(self) -> None:
-        """Release files and staging; only when no IO thread can touch them any more."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        _LIVE.discard(self)
-        if not self.forked:  # a forked child has no device context to unregister from
-            for buf in self.pinned:
-                try:
-                    self.dev.unpin(buf)
-                except Exception as e:  # noqa: BLE001 - best effort, and the next buffer still goes
-                    logger.warning("kvoffload: unpinning staging failed: %s", e)
-        for f in self.files:
-            f.close(self.osc, discard=not self.forked)
+        """Release files and staging; only when no IO thread can touch them any more.
+
+        Resumable: a buffer or file leaves its list only once released, so a close cut
+        short (an interrupt inside shutdown) is finished by the next one.
+        """
+        with self.close_lock:
+            _LIVE.discard(self)
+            while self.pinned:
+                if not self.forked:  # a forked child has no device context to unregister from
+                    try:
+                        self.dev.unpin(self.pinned[-1])
+                    except Exception as e:  # noqa: BLE001 - best effort, and the next buffer still goes
+                        logger.warning("kvoffload: unpinning staging failed: %s", e)
+                # Dropped after the unpin: an interrupt in between repeats the unpin (a
+                # no-op for a buffer no longer pinned), never skips it.
+                self.pinned.pop()
+            for f in self.files:
+                f.close(self.osc, discard=not self.forked)
 
 
 def units_of(rows: Sequence[int], skip: frozenset[int] | set[int] = frozenset()):

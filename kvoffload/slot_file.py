@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from kvoffload.os_calls import OsCalls
@@ -66,24 +66,30 @@ class SlotFile:
     alignment: int  # slot size, staging address and offsets are multiples of this
     slot_bytes: int
     num_slots: int
+    # [fd] while open, [] once closed. The fd leaves this list in the very step that
+    # closes it, so a close cut short by an interrupt is finished by the next close,
+    # and a finished one is never repeated (a second close could hit a reused number).
+    held: list[int] = field(default_factory=list, repr=False)
 
     @property
     def size(self) -> int:
         return self.slot_bytes * self.num_slots
 
     def close(self, osc: OsCalls, discard: bool = True) -> None:
-        """Discard the file's blocks (best effort), then close it.
+        """Discard the file's blocks (best effort), then close it; a no-op once closed.
 
         Punching the whole file out frees its space at once and, on a file system
         mounted with ``discard`` (or an SSD that honours it), tells the drive the
         blocks hold nothing; the data is encrypted either way.
         """
+        if not self.held:
+            return
         if discard:
             try:
                 osc.punch_hole(self.fd, 0, self.size)
             except OSError as e:
                 logger.info("kvoffload: discarding the slot file of %s failed: %s", self.path, e.strerror)
-        _close_quietly(osc, self.fd, self.path)
+        _close_quietly(osc, self.held, self.path)
 
     @classmethod
     def create(
@@ -104,13 +110,15 @@ class SlotFile:
         if num_slots < 1:
             raise ValueError(f"num_disk_slots must be >= 1, got {num_slots}")
         directory, name = split_disk_path(path)
-        fd = -1
-        dir_fd = -1
+        # What this call holds, each recorded in the line that makes it, so an exception
+        # at any later line (an interrupt included) finds it: the fds (the directory's,
+        # then the slot file's) and the slot file's name while it has one.
+        fds: list[int] = []
+        names: list[str] = []
         try:
-            # Every fd is assigned inside the try, so an exception at any line
-            # (an interrupt included) finds it and closes it.
-            dir_fd = _open_directory(osc, directory)
-            fd, named = _create(osc, dir_fd, directory, name, use_page_cache, named_file)
+            _open_directory(osc, directory, fds)
+            named = _create(osc, fds, directory, name, use_page_cache, named_file, names)
+            fd = fds[1]
             alignment = _alignment(osc, fd, path, use_page_cache)
             slot_bytes = slot_bytes_for(block_bytes, alignment, use_page_cache)
             if max_slot_bytes is not None and slot_bytes > max_slot_bytes:
@@ -122,26 +130,28 @@ class SlotFile:
                     "were given. Size the pool with the padded slot (KvoffloadConnector does; vLLM's own "
                     "worker does not), or set use_page_cache (no padding)",
                 )
-            sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots)
-            _reserve(osc, fd, sf.size, path)
+            _reserve(osc, fd, num_slots * slot_bytes, path)
+            _close_quietly(osc, fds, directory, index=0)  # everything after this goes through fd
+            sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots, held=fds)
+            logger.info(
+                "kvoffload slot file for %s: %d slots x %d B = %.2f GiB, %s, %s",
+                path, num_slots, slot_bytes, sf.size / 2**30,
+                "O_DIRECT" if sf.direct else "page cache", "named+unlinked" if named else "anonymous",
+            )
+            return sf
         except BaseException as e:
-            if fd >= 0:
-                _close_quietly(osc, fd, path)
+            # The named file's own name first (it is ours: O_EXCL, random), so a failed
+            # init leaves no file; then the fds, the slot file's before the directory's.
+            for n in names:
+                _unlink_quietly(osc, n, fds[0])
+            while fds:
+                # A failed close of one fd must neither replace the create error nor
+                # leak the other fd (found by tests/test_faults_sweep.py).
+                _close_quietly(osc, fds, path)
             if isinstance(e, OSError) and not isinstance(e, SlotFileError):
                 # statx, fstatvfs or ftruncate failed: say for which path.
                 raise SlotFileError(e.errno, f"cannot set up the slot file for {path!r}: {e.strerror}") from e
             raise
-        finally:
-            # A failed close of the directory fd must neither replace the create
-            # error nor leak the slot file's fd (found by tests/test_faults_sweep.py).
-            if dir_fd >= 0:
-                _close_quietly(osc, dir_fd, directory)
-        logger.info(
-            "kvoffload slot file for %s: %d slots x %d B = %.2f GiB, %s, %s",
-            path, num_slots, slot_bytes, sf.size / 2**30,
-            "O_DIRECT" if sf.direct else "page cache", "named+unlinked" if named else "anonymous",
-        )
-        return sf
 
 
 def split_disk_path(path: str) -> tuple[str, str]:
@@ -159,11 +169,12 @@ def split_disk_path(path: str) -> tuple[str, str]:
     return os.path.split(os.path.abspath(path))
 
 
-def _open_directory(osc: OsCalls, directory: str) -> int:
+def _open_directory(osc: OsCalls, directory: str, fds: list[int]) -> None:
+    """Open ``directory`` and append its fd to ``fds``; refuse an unsafe one."""
     # O_NOFOLLOW on the directory itself: a parent that is a symlink could point
     # the KV data anywhere; everything after this goes through dir_fd.
     try:
-        dir_fd = osc.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fds.append(osc.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
             raise SlotFileError(
@@ -173,28 +184,24 @@ def _open_directory(osc: OsCalls, directory: str) -> int:
             ) from e
         raise SlotFileError(e.errno, f"cannot open disk_path directory {directory!r}: {e.strerror}") from e
     try:
-        try:
-            st = osc.fstat(dir_fd)
-        except OSError as e:
-            raise SlotFileError(e.errno, f"cannot stat disk_path directory {directory!r}: {e.strerror}") from e
-        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise SlotFileError(
-                errno.EPERM,
-                f"disk_path directory {directory!r} is world-writable without the sticky bit "
-                f"(mode {stat.S_IMODE(st.st_mode):o}): another user could swap the KV file; "
-                "use a private directory",
-            )
-    except BaseException:
-        _close_quietly(osc, dir_fd, directory)
-        raise
-    return dir_fd
+        st = osc.fstat(fds[-1])
+    except OSError as e:
+        raise SlotFileError(e.errno, f"cannot stat disk_path directory {directory!r}: {e.strerror}") from e
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise SlotFileError(
+            errno.EPERM,
+            f"disk_path directory {directory!r} is world-writable without the sticky bit "
+            f"(mode {stat.S_IMODE(st.st_mode):o}): another user could swap the KV file; "
+            "use a private directory",
+        )
 
 
-def _create(osc, dir_fd, directory, name, use_page_cache, named_file) -> tuple[int, bool]:
+def _create(osc, fds, directory, name, use_page_cache, named_file, names) -> bool:
+    """Create the slot file in the directory ``fds[0]`` and append its fd; whether it is named."""
     flags = os.O_RDWR | os.O_CLOEXEC | (0 if use_page_cache else O_DIRECT)
     if not named_file and O_TMPFILE:
         try:
-            fd = osc.open(".", flags | O_TMPFILE, 0o600, dir_fd=dir_fd)
+            fds.append(osc.open(".", flags | O_TMPFILE, 0o600, dir_fd=fds[0]))
         except OSError as e:
             # EOPNOTSUPP/EISDIR: no O_TMPFILE here (old kernel or file system).
             # EINVAL may be O_TMPFILE or O_DIRECT; the named path tells them apart.
@@ -203,23 +210,21 @@ def _create(osc, dir_fd, directory, name, use_page_cache, named_file) -> tuple[i
             logger.info("O_TMPFILE unavailable in %s (%s); using a named file", directory, e.strerror)
         else:
             try:
-                _fix_mode(osc, fd)
-            except BaseException as e:  # close it: the fd leaked here (tests/test_faults_sweep.py)
-                _close_quietly(osc, fd, directory)
-                if isinstance(e, OSError):
-                    raise SlotFileError(
-                        e.errno, f"cannot set mode 0600 on the slot file in {directory!r}: {e.strerror}") from e
-                raise
-            return fd, False
-    return _create_named(osc, dir_fd, directory, name, flags, use_page_cache), True
+                _fix_mode(osc, fds[-1])
+            except OSError as e:
+                raise SlotFileError(
+                    e.errno, f"cannot set mode 0600 on the slot file in {directory!r}: {e.strerror}") from e
+            return False
+    _create_named(osc, fds, directory, name, flags, use_page_cache, names)
+    return True
 
 
 def _temp_prefix(name: str) -> str:
     return f".{name}.kvoffload-"
 
 
-def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
-    path = os.path.join(directory, name)
+def _create_named(osc, fds, directory, name, flags, use_page_cache, names) -> None:
+    dir_fd = fds[0]
     # Stale files from earlier runs: vLLM's own backend leaves one named exactly
     # disk_path, which may be world-readable and hold prompts; a kvoffload init
     # killed in the microseconds between its create and unlink leaves an empty one.
@@ -238,16 +243,20 @@ def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
         # A fresh random name per init: two backends starting on one path never
         # unlink each other's file, and a failure can only ever remove our own.
         tmp = _temp_prefix(name) + secrets.token_hex(8)
+        # Listed before the open, so an interrupt just after it finds the name
+        # (removing a random name that was never made is harmless).
+        names.append(tmp)
         try:
             # O_EXCL: never open something that is already there (a symlink planted
             # at the name fails with EEXIST, live or dangling; nothing is followed).
-            fd = osc.open(tmp, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+            fds.append(osc.open(tmp, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd))
         except FileExistsError:
+            names.remove(tmp)  # not ours
             logger.warning("%s already exists; trying another name", os.path.join(directory, tmp))
             continue
         except OSError as e:
-            # Some file systems create the file, then refuse O_DIRECT: the name is ours.
-            _unlink_quietly(osc, tmp, dir_fd)
+            # Some file systems create the file, then refuse O_DIRECT: the name stays
+            # listed, so create() removes it.
             if e.errno == errno.EINVAL and not use_page_cache:
                 raise SlotFileError(
                     e.errno,
@@ -256,7 +265,7 @@ def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
                 ) from e
             raise SlotFileError(e.errno, f"cannot create a slot file in {directory!r}: {e.strerror}") from e
         try:
-            _fix_mode(osc, fd)
+            _fix_mode(osc, fds[-1])
             # Drop the name before any KV byte is written: the data lives only as
             # long as our fd, and a crash leaves nothing behind.
             try:
@@ -264,16 +273,12 @@ def _create_named(osc, dir_fd, directory, name, flags, use_page_cache) -> int:
             except FileNotFoundError:
                 # Another init on this path removed it as stale: what matters is that
                 # the file has no name left.
-                if osc.fstat(fd).st_nlink != 0:
+                if osc.fstat(fds[-1]).st_nlink != 0:
                     raise
-        except BaseException as e:
-            # The name is ours (O_EXCL, random): drop it, so a failed init leaves no file.
-            _unlink_quietly(osc, tmp, dir_fd)
-            _close_quietly(osc, fd, path)
-            if isinstance(e, OSError):
-                raise SlotFileError(e.errno, f"cannot secure the slot file in {directory!r}: {e.strerror}") from e
-            raise
-        return fd
+        except OSError as e:
+            raise SlotFileError(e.errno, f"cannot secure the slot file in {directory!r}: {e.strerror}") from e
+        names.remove(tmp)
+        return
     raise SlotFileError(
         errno.EEXIST, f"could not create a fresh slot file in {directory!r} in {_CREATE_ATTEMPTS} attempts"
     )
@@ -286,13 +291,15 @@ def _unlink_quietly(osc: OsCalls, name: str, dir_fd: int) -> None:
         pass
 
 
-def _close_quietly(osc: OsCalls, fd: int, what: str) -> None:
+def _close_quietly(osc: OsCalls, fds: list[int], what: str, index: int = -1) -> None:
+    """Close ``fds[index]`` and drop it from ``fds`` in one step that no interrupt can split
+    (``OsCalls.close`` is ``os.close`` itself)."""
     # close(2): Linux releases the fd even when close reports an error, and a retry
     # could close another thread's fd; so log and go on.
     try:
-        osc.close(fd)
+        osc.close(fds.pop(index))
     except OSError as e:
-        logger.warning("closing fd %d for %s failed: %s", fd, what, e)
+        logger.warning("closing an fd of %s failed: %s", what, e)
 
 
 def _fix_mode(osc: OsCalls, fd: int) -> None:

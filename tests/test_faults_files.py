@@ -3,6 +3,7 @@ and kill -9: nothing outside the slot file is written, no KV byte is left under 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import stat
@@ -186,6 +187,45 @@ def test_concurrent_inits_on_one_path_all_succeed(fd_guard, cache_dir, named):
     assert_dir_clean(cache_dir)
 
 
+# Each process starts its inits when the go file appears, so they overlap.
+_INIT_LOOP = """
+import os, sys, time
+from kvoffload import DiskBackend
+from kvoffload.device import random_caches
+d, named, rounds, go = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
+caches = random_caches("cpu", 2, [4096])
+while not os.path.exists(go):
+    time.sleep(0.001)
+failed = 0
+for _ in range(rounds):
+    b = DiskBackend()
+    try:
+        b.init(caches, "cpu", None, None, os.path.join(d, "kv.bin"), 4, 4096, named_file=named, io_threads=1,
+               report_load_errors=True)
+    except OSError as e:
+        failed += 1
+        print(f"init failed: {e}", file=sys.stderr)
+    b.shutdown()
+print(failed)
+"""
+
+
+@NAMED
+def test_concurrent_inits_in_processes_all_succeed(cache_dir, tmp_path, named):
+    """Inits from several processes on one path (class 11: a few percent failed with
+    "cannot secure ...: No such file or directory" when one removed the other's file)."""
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _INIT_LOOP, str(cache_dir), str(int(named)), "30", str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    time.sleep(0.5)
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
+    failures = sum(int(out) for out, _ in results)
+    assert failures == 0, "".join(err for _, err in results)[-3000:]
+    assert_dir_clean(cache_dir)
+
+
 @NAMED
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o277, 0o000])
 def test_file_mode_is_0600(fd_guard, cache_dir, named, umask):
@@ -277,6 +317,52 @@ def test_kill_9_in_the_named_window_leaves_an_empty_file_that_next_init_removes(
     b, caches = start(cache_dir, True)  # the stale file is removed at the next start
     try:
         assert_dir_clean(cache_dir)
+        use(b, caches)
+    finally:
+        b.shutdown()
+    assert_dir_clean(cache_dir)
+
+
+@NAMED
+@pytest.mark.parametrize("how", ["trailing-slash", "existing-directory", "dot"])
+def test_disk_path_naming_a_directory_is_refused(fd_guard, tmp_path, cache_dir, named, how):
+    """Class 6 of issue 13: '/mnt/nvme/' put the anonymous file in /mnt (the parent), and
+    named mode failed with a misleading message."""
+    path = {"trailing-slash": f"{cache_dir}/", "existing-directory": str(cache_dir),
+            "dot": f"{cache_dir}/."}[how]
+    before = sorted(os.listdir(tmp_path))
+    b = DiskBackend()
+    with pytest.raises(ValueError, match=r"names a directory; give a file path inside it"):
+        b.init(make_caches("cpu", 2, [4096]), "cpu", None, None, path, 4, 4096, named_file=named,
+               report_load_errors=True)
+    assert b.closing
+    assert sorted(os.listdir(tmp_path)) == before
+    assert_dir_clean(cache_dir)
+    wait_threads_gone()
+
+
+class CreatesThenRefusesDirect(FaultyOsCalls):
+    """A file system without O_DIRECT that creates the file, then fails the open with
+    EINVAL (O_TMPFILE fails the same way, without a file)."""
+
+    def open(self, path, flags, mode=0o600, *, dir_fd=None):
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:
+                os.close(os.open(path, (flags & ~os.O_DIRECT) | os.O_RDWR, mode, dir_fd=dir_fd))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().open(path, flags, mode, dir_fd=dir_fd)
+
+
+@NAMED
+def test_failed_start_without_o_direct_leaves_no_file(fd_guard, cache_dir, named):
+    """Class 12 of issue 13: on a file system without O_DIRECT a failed start left an
+    empty file at disk_path."""
+    with pytest.raises(SlotFileError, match="does not support O_DIRECT; set use_page_cache=True"):
+        start(cache_dir, named, CreatesThenRefusesDirect())
+    assert_dir_clean(cache_dir)
+    wait_threads_gone()
+    b, caches = start(cache_dir, named, CreatesThenRefusesDirect(), use_page_cache=True)  # what the error says
+    try:
         use(b, caches)
     finally:
         b.shutdown()

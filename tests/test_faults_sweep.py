@@ -10,33 +10,10 @@ import re
 import pytest
 
 from faults import Fault, FaultyOsCalls, is_injected, run_workload, sweep, wait_threads_gone
-from faults._sweep import POINTS_RUN, start_backend
+from faults._sweep import BACKGROUND, POINTS_RUN, SITES, start_backend
 from kvoffload.slot_file import SlotFileError
 
 pytestmark = pytest.mark.faults
-
-# (call site, faults to try there[, background faults that make the site reachable])
-SITES = {
-    "open": [Fault.error(errno.EACCES), Fault.error(errno.EINVAL), Fault.error(errno.EOPNOTSUPP)],
-    "fchmod": [Fault.error(errno.EPERM)],
-    "fstat": [Fault.error(errno.EIO)],
-    "fstatvfs": [Fault.error(errno.EIO)],
-    "dio_alignment": [Fault.error(errno.EIO)],
-    "fallocate": [Fault.error(errno.ENOSPC), Fault.error(errno.EOPNOTSUPP), Fault.error(errno.EIO)],
-    "ftruncate": [Fault.error(errno.EIO)],
-    "unlink": [Fault.error(errno.EACCES), Fault.error(errno.EBUSY)],
-    "close": [Fault.error(errno.EIO)],
-    "pwritev": [
-        Fault.error(errno.EIO), Fault.error(errno.ENOSPC), Fault.error(errno.EINVAL),
-        Fault.short(0.5), Fault.lie(), Fault.error(errno.EIO, after=True),
-    ],
-    "preadv": [
-        Fault.error(errno.EIO), Fault.error(errno.EINVAL), Fault.short(0.5),
-        Fault.bitflip(0, 3), Fault.error(errno.EIO, after=True),
-    ],
-}
-# ftruncate is only called when fallocate is unsupported: make it so for that site.
-BACKGROUND = {"ftruncate": (("fallocate", Fault.error(errno.EOPNOTSUPP)),)}
 
 CASES = [
     pytest.param(call, fault, id=f"{call}-{fault!r}".replace(" ", ""))
