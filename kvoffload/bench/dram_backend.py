@@ -42,6 +42,15 @@ class CpuBackend:
                 f"total_block_bytes={total_block_bytes} but the caches hold {layout.block_bytes} bytes per block"
             )
         device = resolve_device(device)
+        if device_impl is None and device.type == "cuda":
+            from kvoffload.cuda_device import CudaDevice
+
+            # Its job events go to the caller, who polls them (vLLM's DMA backend hands
+            # out plain torch.Event()s): no IO thread waits, so nothing gains from a
+            # sleeping wait. Suspected, not re-measured: the H200 DRAM rows fell from
+            # 46-47 GiB/s (spinning events, 2026-11-29) to 30-31 once every event of the
+            # CUDA device was blocking (2026-12-01, with other bench changes too).
+            device_impl = CudaDevice(device, blocking_events=False)
         self._dev = device_impl if device_impl is not None else make_device(device)
         # Copies run on the calling thread: bind it, one stream per direction.
         self._streams = {True: self._dev.bind_thread(store_stream), False: self._dev.bind_thread(load_stream)}
