@@ -32,7 +32,11 @@ _BLOCK = 2048
 
 if triton is not None:
 
-    @triton.jit
+    # row_words is not specialised on: Triton compiles one kernel per value class of each
+    # int argument, and a compile takes seconds; so the check at first use compiles
+    # exactly the kernels every later layout runs (H200 profile: repeated compiles inside
+    # the first copies cost more than the copies).
+    @triton.jit(do_not_specialize=["row_words"])
     def _move_pieces(anchor, rel_words, piece_words, row_off_words, ids, stage, row_words,
                      TO_STAGE: tl.constexpr, BLOCK: tl.constexpr):
         # Program (i, t): piece of tensor t for row i of this copy. Cache addresses are
