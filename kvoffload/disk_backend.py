@@ -161,7 +161,7 @@ class DiskBackend:
             logger.info(
                 "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s",
                 num_disk_slots, total_block_bytes, len(paths), threads,
-                {"aes-gcm": "encrypted (AES-GCM)", "xxh3": "checksums (xxh3)", "off": "no checks"}[run.seal.name],
+                run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
             )
         except BaseException:
@@ -257,11 +257,7 @@ class DiskBackend:
 def _retire(run: Run) -> None:
     """Finalizer of a backend dropped without shutdown: stop without waiting; the last
     IO thread to end closes the files."""
-    run.begin_close()
-    for lanes in run.lanes.values():
-        for lane in lanes:
-            for _ in lane.threads:
-                lane.queue.put(None)
+    run.signal_stop()
     run.abandon()
 
 

@@ -43,8 +43,7 @@ class LoadLane(Lane):
             if unit is None:
                 self.settle(pending, clock)
                 return
-            if run.closing or run.fatal is not None:
-                self.finish(unit, set(range(len(unit.slots))))
+            if self.refuse_if_closing(unit):
                 continue
             rows, mv, event = views[turn]
             turn = (turn + 1) % len(views)

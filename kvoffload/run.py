@@ -195,6 +195,13 @@ class Lane:
             )
         return failed
 
+    def refuse_if_closing(self, unit: Unit) -> bool:
+        """A unit dequeued after shutdown began or the device failed ends as failed, without IO."""
+        if self.run.closing or self.run.fatal is not None:
+            self.finish(unit, set(range(len(unit.slots))))
+            return True
+        return False
+
     def finish(self, unit: Unit, failed: set[int]) -> None:
         """One unit is over; ``failed`` holds its row indices that failed."""
         run = self.run
@@ -386,21 +393,26 @@ class Run:
         with self.copy_cond:
             self.copy_cond.notify_all()
 
+    def signal_stop(self) -> None:
+        """``begin_close``, then one sentinel per thread: each thread ends once its queue drains."""
+        self.begin_close()
+        if not self.forked:  # a fork()ed child's copy has no threads to stop
+            for lanes in self.lanes.values():
+                for lane in lanes:
+                    for _ in lane.threads:
+                        lane.queue.put(None)
+
     def threads(self) -> list[threading.Thread]:
         return [t for lanes in self.lanes.values() for lane in lanes for t in lane.threads]
 
     def stop(self, deadline: float, clock) -> list[threading.Thread]:
         """Stop the threads by ``deadline``; end every open job. Returns the threads still alive."""
-        self.begin_close()
         # Only running threads can be joined. One whose start() was interrupted may
         # begin later: it finds `closing` set and its sentinel queued, and ends
         # without touching the files.
         threads = [t for t in self.threads() if t.is_alive()]
+        self.signal_stop()
         if not self.forked:
-            for lanes in self.lanes.values():
-                for lane in lanes:
-                    for _ in lane.threads:
-                        lane.queue.put(None)
             for t in threads:
                 t.join(max(0.0, deadline - clock()))
         alive = [t for t in threads if t.is_alive() and not self.forked]

@@ -26,7 +26,8 @@ TAG_BYTES = 16
 
 
 class SlotSeal(Protocol):
-    name: str
+    name: str  # aes-gcm | xxh3 | off
+    label: str  # for the start-up log line
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
         """Prepare ``row[:payload_bytes]`` for the disk (in place); return its record.
@@ -41,6 +42,7 @@ class SlotSeal(Protocol):
 
 class ValiditySeal:
     name = "off"
+    label = "no checks"
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
         return True
@@ -52,6 +54,7 @@ class ValiditySeal:
 class ChecksumSeal:
     # xxh3_64 measured 44 GiB/s against crc32c's 28 GiB/s, and releases the GIL.
     name = "xxh3"
+    label = "checksums (xxh3)"
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
         return xxhash.xxh3_64_intdigest(row[:payload_bytes])
@@ -65,6 +68,7 @@ class AesGcmSeal:
     associated data (a ciphertext moved to another slot fails to open)."""
 
     name = "aes-gcm"
+    label = "encrypted (AES-GCM)"
 
     def __init__(self) -> None:
         try:

@@ -28,8 +28,7 @@ class StoreLane(Lane):
             clock.lap("wait")
             if unit is None:
                 return
-            if run.closing or run.fatal is not None:
-                self.finish(unit, set(range(len(unit.slots))))
+            if self.refuse_if_closing(unit):
                 continue
             try:
                 failed = self.store(stream, unit, rows, mv, event, clock)
