@@ -124,6 +124,9 @@ class CudaDevice:
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
         return self._copy(stream, layout, block_ids, host, rows, False, event)
 
+    def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
+        return None  # device memory: the file IO reaches it only through pinned staging
+
     def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> torch.cuda.Event:
         stage = getattr(stream, "stage", None)
         slot = host.stride(0) * host.element_size()

@@ -3,7 +3,8 @@
 The backend never calls CUDA directly. ``CudaDevice`` (``cuda_device.py``) drives
 real streams and events; ``CpuDevice`` runs the same pipeline on CPU tensors (CI
 exercises the real file path with it, it is not a mock); ``faults.SimDevice``
-completes copies when a test says. All three implement ``Device``.
+completes copies when a test says; ``HostDevice`` is for blocks that are host memory
+in deployment (vLLM's CPU tier, ``vllm_tier.py``). All implement ``Device``.
 
 Copies move whole blocks between the device caches and a host buffer viewed as
 ``[rows, slot_bytes]``: block ``block_ids[j]`` of every cache tensor lands in row
@@ -210,6 +211,11 @@ class Device(Protocol):
     ) -> DeviceEvent:
         """Copy host rows into device blocks; return the copy's event (``event`` as above)."""
 
+    def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
+        """The blocks' bytes as one flat host memoryview (block ``i`` at ``i * block_bytes``)
+        when the lanes should seal straight from and open straight into them; None: every
+        block goes through ``copy_to_*`` and staging."""
+
 
 class DoneEvent:
     """An event that has already happened (synchronous CPU copies)."""
@@ -250,6 +256,26 @@ class CpuDevice:
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
         copy_rows(layout, block_ids, host, rows, to_host=False)
         return DONE
+
+    def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
+        return None  # it stands in for a GPU: blocks go through staging, as there
+
+
+class HostDevice(CpuDevice):
+    """Blocks that are host memory in deployment: one CPU tensor of whole blocks.
+
+    A block is then already where the file IO can reach it, so the lanes skip the
+    copy to staging: a store seals straight from the block into its staging row
+    (AES-GCM encrypts out of place) and a load opens its staging row straight into
+    the block. That saves a pass over host memory per byte each way, which on the
+    CPU tier is most of what is not the cipher or the drive.
+    """
+
+    def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
+        if len(layout.caches) != 1 or layout.caches[0].device.type != "cpu":
+            raise ValueError(f"HostDevice needs the blocks as one CPU tensor, got {len(layout.caches)} cache(s) "
+                             f"on {layout.caches[0].device}")
+        return memoryview(layout.caches[0].numpy()).cast("B")
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

@@ -7,6 +7,8 @@ blocks. It has two staging buffers: it reads its next unit into one while the co
 from the other still runs, and waits for that copy (then ends its unit) before the
 buffer is read into again. Reusing a buffer before its copy finished was vLLM's
 trailing-drain bug: the next ``preadv`` overwrote rows the GPU was still reading.
+Blocks in host memory (``HostDevice``) have no copy: each slot is opened (decrypted
+or verified) straight from staging into its block, which is then that unit's copy.
 """
 
 from __future__ import annotations
@@ -84,21 +86,17 @@ class LoadLane(Lane):
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, r in enumerate(records) if r is None}
         payload = run.layout.block_bytes
+        host = run.host_blocks
         read = 0
         for j0, j1 in units_of(unit.local, skip=failed):
             bad = self.transfer(mv, unit, j0, j1)
             clock.lap("io")
             failed |= bad
-            # Opened right after its read, while the rows are still hot in the cache.
-            for j in range(j0, j1):
-                if j in bad:
-                    continue
-                read += 1
-                if not run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j]):
-                    run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
-                                    unit.slots[j], f.path, run.seal.name)
-                    failed.add(j)
-            clock.lap("seal")
+            read += j1 - j0 - len(bad)
+            if host is None:
+                # Opened right after its read, while the rows are still hot in the cache.
+                failed |= self.open_rows(unit, range(j0, j1), bad, records, mv, None)
+                clock.lap("seal")
         with run.lock:
             run.bytes_read += read * f.slot_bytes
         good = [j for j in range(len(unit.slots)) if j not in failed]
@@ -109,14 +107,38 @@ class LoadLane(Lane):
                 return set(range(len(unit.slots))), None
             run.copies += 1
         try:
-            # Not waited for here: loop() settles it before these staging rows are
-            # read into again (vLLM's trailing-drain fix, one unit later).
-            ev = run.dev.copy_to_device(stream, run.layout, rows, good, [unit.block_ids[j] for j in good], event)
+            if host is None:
+                # Not waited for here: loop() settles it before these staging rows are
+                # read into again (vLLM's trailing-drain fix, one unit later).
+                ev = run.dev.copy_to_device(stream, run.layout, rows, good, [unit.block_ids[j] for j in good], event)
+                clock.lap("device")
+                return failed, ev
+            # Host blocks: opening each slot into its block is this unit's copy.
+            failed |= self.open_rows(unit, good, set(), records, mv, host)
+            clock.lap("seal")
         except BaseException:
             self.end_copy()
             raise
-        clock.lap("device")
-        return failed, ev
+        self.end_copy()
+        return failed, None
+
+    def open_rows(self, unit: Unit, rows: Any, skip: set[int], records: list[Any], mv: memoryview,
+                  host: Optional[memoryview]) -> set[int]:
+        """Open the slots read into staging ``rows`` (in place, or into their blocks of
+        ``host``); returns the rows that failed their check."""
+        run, f = self.run, self.file
+        payload = run.layout.block_bytes
+        failed = set()
+        for j in rows:
+            if j in skip:
+                continue
+            b = unit.block_ids[j] * payload
+            dst = None if host is None else host[b : b + payload]
+            if not run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j], dst):
+                run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
+                                unit.slots[j], f.path, run.seal.name)
+                failed.add(j)
+        return failed
 
     def end_copy(self) -> None:
         """A load's device copy is over (done or failed): shutdown may be waiting for it."""

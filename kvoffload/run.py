@@ -222,6 +222,8 @@ class Run:
     def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
                  report_load_errors: bool, threads_per_lane: int) -> None:
         self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
+        # Host-resident blocks (HostDevice) are sealed from and opened into directly.
+        self.host_blocks = dev.host_view(layout)
         self.num_slots = num_slots
         self.threads_per_lane = threads_per_lane
         self.report_load_errors = report_load_errors

@@ -5,11 +5,16 @@ to disk and returns the record the run keeps in memory for that slot; after a lo
 reads it, ``open`` checks the bytes against the record (and restores the payload).
 The records live only in process memory, exactly as long as the file they describe.
 
+Both work in place on the staging row, or out of place when the blocks are host
+memory themselves (``HostDevice``: vLLM's CPU tier): ``seal`` then reads the payload
+from the block and ``open`` writes it into the block, and the copy between block and
+staging, a whole pass over host memory, is folded into the cipher's own pass.
+
 - ``AesGcmSeal`` (the default): AES-128-GCM with a key made at init and never
   written anywhere. The file, and the raw device under it, hold only ciphertext,
   so no prompt survives the process (``shutdown``, ``kill -9``, a stolen drive);
-  the tag replaces the checksum, so one pass gives both. Encrypted in place, so
-  nothing of the plaintext is copied anywhere else.
+  the tag replaces the checksum, so one pass gives both. Staging only ever holds
+  plaintext between the device copy and the cipher's pass over it.
 - ``ChecksumSeal``: xxh3-64 of the payload; integrity only, plaintext on disk.
 - ``ValiditySeal``: neither; only "this slot holds a completed store".
 """
@@ -18,8 +23,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
+import numpy as np
 import xxhash
 
 TAG_BYTES = 16
@@ -29,26 +35,18 @@ class SlotSeal(Protocol):
     name: str  # aes-gcm | xxh3 | off
     label: str  # for the start-up log line
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
-        """Prepare ``row[:payload_bytes]`` for the disk (in place); return its record.
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
+        """Write the disk form of the payload to ``row[:payload_bytes]``; return its record.
 
-        ``row`` may be followed by 16 more bytes of the same buffer: they are restored
-        before return.
+        The payload is ``row``'s own bytes, or ``src`` when given. ``row`` may be
+        followed by 16 more bytes of the same buffer: they are restored before return.
         """
 
-    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any) -> bool:
-        """Check (and restore in place) the payload read back; False if it is not what was sealed."""
-
-
-class ValiditySeal:
-    name = "off"
-    label = "no checks"
-
-    def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
-        return True
-
-    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any) -> bool:
-        return True
+    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
+             dst: Optional[memoryview] = None) -> bool:
+        """Check the slot read into ``row`` against ``record`` and restore the payload, in
+        place or into ``dst``; False if it is not what was sealed (``dst`` is then zeroed:
+        it never keeps unverified bytes)."""
 
 
 class ChecksumSeal:
@@ -56,11 +54,30 @@ class ChecksumSeal:
     name = "xxh3"
     label = "checksums (xxh3)"
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
-        return xxhash.xxh3_64_intdigest(row[:payload_bytes])
+    def digest(self, payload: memoryview) -> Any:
+        return xxhash.xxh3_64_intdigest(payload)
 
-    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any) -> bool:
-        return xxhash.xxh3_64_intdigest(row[:payload_bytes]) == record
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
+        if src is not None:
+            _copy(row[:payload_bytes], src)
+        return self.digest(row[:payload_bytes])
+
+    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
+             dst: Optional[memoryview] = None) -> bool:
+        ok = self.digest(row[:payload_bytes]) == record
+        if dst is not None and ok:
+            _copy(dst, row[:payload_bytes])
+        elif dst is not None:
+            _zero(dst)
+        return ok
+
+
+class ValiditySeal(ChecksumSeal):
+    name = "off"
+    label = "no checks"
+
+    def digest(self, payload: memoryview) -> Any:
+        return True
 
 
 class AesGcmSeal:
@@ -80,32 +97,47 @@ class AesGcmSeal:
         # next() on itertools.count is atomic under the GIL.
         self._nonces = itertools.count(1)
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int) -> Any:
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
         n = payload_bytes
         nonce = next(self._nonces)
         # encrypt_into writes ciphertext || tag: the tag lands in the 16 bytes after
         # the payload (padding, the next row, or the buffer's spare tail), which are
         # put back once the tag is read out.
         saved = bytes(row[n : n + TAG_BYTES])
-        self._aead.encrypt_into(_nonce(nonce), row[:n], _aad(slot), row[: n + TAG_BYTES])
+        self._aead.encrypt_into(_nonce(nonce), row[:n] if src is None else src, _aad(slot), row[: n + TAG_BYTES])
         tag = bytes(row[n : n + TAG_BYTES])
         row[n : n + TAG_BYTES] = saved
         return nonce, tag
 
-    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any) -> bool:
+    def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
+             dst: Optional[memoryview] = None) -> bool:
         from cryptography.exceptions import InvalidTag
 
         n = payload_bytes
         nonce, tag = record
         saved = bytes(row[n : n + TAG_BYTES])
         row[n : n + TAG_BYTES] = tag
+        out = row[:n] if dst is None else dst
         try:
-            self._aead.decrypt_into(_nonce(nonce), row[: n + TAG_BYTES], _aad(slot), row[:n])
+            self._aead.decrypt_into(_nonce(nonce), row[: n + TAG_BYTES], _aad(slot), out)
             return True
         except InvalidTag:
+            # decrypt_into has already written the unverified plaintext: wipe it where
+            # it is the caller's block (staging rows are never copied after a failure).
+            if dst is not None:
+                _zero(dst)
             return False
         finally:
             row[n : n + TAG_BYTES] = saved
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    # numpy releases the GIL for the copy; a memoryview slice assignment holds it.
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _zero(dst: memoryview) -> None:
+    np.frombuffer(dst, np.uint8).fill(0)
 
 
 def _nonce(n: int) -> bytes:

@@ -4,7 +4,9 @@ A store thread takes one unit (a few blocks of one job), copies the blocks into 
 staging rows in one batched device copy ordered after ``wait_event`` (compute must
 have finished writing the KV, vLLM #45704), waits for it, seals each slot (encrypts
 or checksums it) and writes each run of consecutive file slots with one ``pwritev``.
-A slot's record is published only once its write succeeded whole.
+Blocks in host memory (``HostDevice``) skip the copy: each is sealed straight from
+the block into its staging row. A slot's record is published only once its write
+succeeded whole.
 """
 
 from __future__ import annotations
@@ -41,18 +43,24 @@ class StoreLane(Lane):
               clock: StageClock) -> set[int]:
         run, f = self.run, self.file
         n = len(unit.block_ids)
-        ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
-        # pwritev reads staging from the CPU side: the device copy must be done first.
-        ev.synchronize()
-        clock.lap("device")
         payload = run.layout.block_bytes
+        host = run.host_blocks
+        if host is None:
+            ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
+            # pwritev reads staging from the CPU side: the device copy must be done first.
+            ev.synchronize()
+        elif unit.wait_event is not None:
+            unit.wait_event.synchronize()  # the seal reads the blocks: their writer must be done
+        clock.lap("device")
         records: list[Any] = [None] * n
         failed: set[int] = set()
         for j0, j1 in units_of(unit.local):
             # Sealed right before its write, while the rows are still hot in the cache.
             for j in range(j0, j1):
                 run.records[unit.slots[j]] = None  # invalid until this write is known good
-                records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload)
+                b = unit.block_ids[j] * payload
+                src = None if host is None else host[b : b + payload]
+                records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload, src)
             clock.lap("seal")
             failed |= self.transfer(mv, unit, j0, j1)
             clock.lap("io")

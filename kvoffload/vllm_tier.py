@@ -8,8 +8,9 @@ back from a secondary one. This module is such a secondary tier, loaded out of t
                          "disk_path": "/mnt/nvme/kv-tier.bin", "disk_capacity_bytes": "1TiB"}]
 
 Data moves between the CPU primary's memory and kvoffload's slot files through
-``DiskBackend`` running on the CPU device: the primary's rows are the "device" blocks
-(one chunk per row), so the tier keeps the backend's guarantees (preallocated file,
+``DiskBackend`` on ``HostDevice``: the primary's rows are the blocks (one chunk per
+row), sealed straight from them into staging and opened straight back into them (no
+copy between primary and staging), so the tier keeps the backend's guarantees (preallocated file,
 AES-GCM per slot, integrity on every load, per-slot failures, bounded shutdown, the
 ``OsCalls`` seam for faults). Which slot holds which chunk is kvsim's ``SlotPool``,
 the same LRU the simulator models.
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, _bool, _int, num_slots, parse_size
+from kvoffload.device import HostDevice
 from kvoffload.disk_backend import DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.jobs import JobEvent
 from kvoffload.os_calls import OsCalls
@@ -162,7 +164,8 @@ class SlotTier:
             {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
-            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=os_calls, **extra,
+            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=os_calls,
+            device_impl=HostDevice(), **extra,
         )
         self._jobs: dict[int, _Job] = {}
         self._finished: list[FinishedJob] = []  # ended without IO, not yet reported

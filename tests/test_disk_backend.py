@@ -17,7 +17,7 @@ import torch
 
 from faults import Fault, FaultyOsCalls
 from kvoffload import BackendFatalError, DiskBackend, LeakedFdWarning
-from kvoffload.device import CpuDevice
+from kvoffload.device import CpuDevice, HostDevice
 from kvoffload.slot_file import SlotFileError, slot_bytes_for
 from tests.conftest import block_bytes, make_caches, open_fds, snapshot
 
@@ -487,10 +487,11 @@ def test_device_failure_is_fatal_not_swallowed(tmp_path):
         b.shutdown()
 
 
-def test_wait_event_orders_store_after_compute(tmp_path):
+@pytest.mark.parametrize("dev", [CpuDevice, HostDevice])
+def test_wait_event_orders_store_after_compute(tmp_path, dev):
     """A store must not read the cache before wait_event (vLLM #45704)."""
     caches = make_caches("cpu", 2, [4096])
-    b = start(caches, "cpu", tmp_path)
+    b = start(caches, "cpu", tmp_path, device_impl=dev())
     try:
         computed = threading.Event()
 
@@ -512,6 +513,61 @@ def test_wait_event_orders_store_after_compute(tmp_path):
         assert bool((caches["layer0"][1] == 42).all())
     finally:
         b.shutdown()
+
+
+# -- HostDevice: blocks in host memory, sealed from and opened into directly -------
+
+@pytest.mark.parametrize("seal", ["aes-gcm", "xxh3", "off"])
+@pytest.mark.parametrize("use_page_cache", [False, True], ids=["direct", "pagecache"])
+@pytest.mark.parametrize("block", [8192, 3098112], ids=["aligned", "padded"])
+def test_host_device_round_trip_leaves_the_stored_blocks_as_they_were(tmp_path, seal, use_page_cache, block):
+    caches = make_caches("cpu", 6, [block])
+    b = start(caches, "cpu", tmp_path, num_slots=8, use_page_cache=use_page_cache, device_impl=HostDevice(),
+              encrypt=seal == "aes-gcm", checksums=seal == "xxh3")
+    try:
+        assert b.stats()["seal"] == seal
+        want = snapshot(caches)
+        ev = []
+        assert run_job(b, [0, 1, 2], [5, 6, 2], True, ev).ok
+        # Sealed out of place: the source blocks are not encrypted or otherwise touched.
+        assert torch.equal(caches["layer0"], want["layer0"])
+        assert run_job(b, [5, 6, 2], [3, 4, 5], False, ev, 1).ok
+        assert torch.equal(caches["layer0"][3:], want["layer0"][:3])
+        assert torch.equal(caches["layer0"][:3], want["layer0"][:3])
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["aes-gcm", "xxh3"])
+def test_host_device_failed_check_leaves_no_unverified_bytes_in_the_block(tmp_path, encrypt):
+    """AES-GCM's decrypt_into writes the plaintext before it checks the tag: a block that
+    fails its check is zeroed, neither left as it was nor holding the forged bytes."""
+    caches = make_caches("cpu", 4, [8192])
+    osc = FaultyOsCalls()
+    b = start(caches, "cpu", tmp_path, num_slots=4, device_impl=HostDevice(), encrypt=encrypt, os_calls=osc)
+    try:
+        ev = []
+        assert run_job(b, [0, 1], [0, 1], True, ev).ok
+        osc.fail_nth("preadv", osc.calls["preadv"] + 1, Fault.bitflip(100, 1))
+        caches["layer0"][2:].fill_(0x55)
+        assert not run_job(b, [0, 1], [2, 3], False, ev, 1).ok
+        assert osc.fired["preadv"] == 1
+        bad = b.get_block_ids_with_load_errors()
+        assert bad and bad <= {2, 3}
+        for blk in (2, 3):
+            if blk in bad:
+                assert not caches["layer0"][blk].any(), "a block that failed its check kept bytes"
+            else:
+                assert torch.equal(caches["layer0"][blk], caches["layer0"][blk - 2])
+    finally:
+        b.shutdown()
+
+
+def test_host_device_needs_the_blocks_as_one_cpu_tensor(tmp_path):
+    caches = make_caches("cpu", 4, [4096, 4096])
+    with pytest.raises(ValueError, match="HostDevice needs the blocks as one CPU tensor, got 2 cache"):
+        start(caches, "cpu", tmp_path, device_impl=HostDevice())
+    assert os.listdir(tmp_path) == []
 
 
 def test_striping_over_two_paths_isolates_a_failed_disk(device, tmp_path):
