@@ -136,10 +136,11 @@ def test_runs_report_best_and_worst(capsys, tmp_path):
 
 def test_table_is_printed_last(capsys, tmp_path):
     rc = bench.main(["--quick", "--device", "cpu", "--dir", str(tmp_path), "--layouts", "small",
-                     "--modes", "pagecache", "--seals", "off", "--only", "disk,dram"])
+                     "--modes", "pagecache", "--seals", "off", "--only", "disk,dram", "--dram-streams", "1,2"])
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert rc == 0
-    assert lines[-1].startswith("small dram load") and lines[-1].endswith("ok")
+    assert any(line.startswith("small dram load") and line.endswith("ok") for line in lines)
+    assert lines[-1].startswith("small dram 2 streams load") and lines[-1].endswith("ok")
     assert any(line.startswith("page cache before cold loads") for line in lines)
     assert any(line.startswith("host-memory bound = 2/3 x host memcpy") for line in lines)
 
@@ -158,6 +159,7 @@ def test_too_large_a_case_is_one_clear_line(capsys, tmp_path):
     (["--case-seconds", "-1"], "--case-seconds must be >= 0"),
     (["--only", "disk,bogus"], "not bogus"),
     (["--gib", "0"], "--gib must be > 0"),
+    (["--dram-streams", "1,0"], "--dram-streams '1,0': expected a comma list of distinct integers >= 1"),
 ])
 def test_bad_flags_are_refused(argv, words):
     with pytest.raises(SystemExit) as e:
@@ -179,21 +181,28 @@ def test_compact_report_of_several_runs(capsys, tmp_path):
     assert "== array: no result" in capsys.readouterr().out
 
 
-def test_dram_backend_round_trip(device):
+@pytest.mark.parametrize("streams", [1, 3])
+def test_dram_backend_round_trip(device, streams):
     from kvoffload.bench.dram_backend import CpuBackend
     from tests.conftest import block_bytes, make_caches, snapshot
 
     caches = make_caches(device, 8, [576 * 2, 4096])
     b = CpuBackend()
-    b.init(caches, device, None, None, 16, block_bytes(caches))
+    b.init(caches, device, None, None, 16, block_bytes(caches), streams=streams)
     try:
         want, ev = snapshot(caches), []
-        b.launch_copy(list(range(8)), list(range(8, 16)), True, 0, ev)
-        ev[0][1].synchronize()
+        for j in range(4):  # jobs of two blocks, round-robin over the streams
+            b.launch_copy([2 * j, 2 * j + 1], [8 + 2 * j, 9 + 2 * j], True, j, ev)
+        for _, e in ev:
+            e.synchronize()
         for t in caches.values():
             t.zero_()
-        b.launch_copy(list(range(8, 16)), list(range(8)), False, 1, ev)
-        ev[1][1].synchronize()
+        ev.clear()
+        for j in range(4):
+            b.launch_copy([9 + 2 * j, 8 + 2 * j], [2 * j + 1, 2 * j], False, 4 + j, ev)
+        assert [i for i, _ in ev] == [4, 5, 6, 7]
+        for _, e in ev:
+            e.synchronize()
         for k in caches:
             assert torch.equal(caches[k].cpu(), want[k])
         assert b.get_block_ids_with_load_errors() == set()

@@ -4,10 +4,15 @@ The benchmark's DRAM row: DRAM offload and disk offload on the same calls. Copie
 between device blocks and the slot rows (no staging): on CUDA they are enqueued on
 the streams and the job's CUDA event is appended at once, as vLLM's DMA backend
 does; on CPU they run inside ``launch_copy``.
+
+``streams``: jobs of one direction go round-robin over that many streams. One (the
+default) is vLLM's DMA backend; a block of many tensors is one DMA descriptor per
+tensor, and one stream works through descriptors one copy at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -31,11 +36,14 @@ class CpuBackend:
         total_block_bytes: int,
         *,
         device_impl: Optional[Device] = None,
+        streams: int = 1,
     ) -> None:
         if self._pool is not None:
             raise RuntimeError("CpuBackend.init called twice without shutdown")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         layout = BlockLayout.from_caches(gpu_caches)
         if layout.block_bytes != total_block_bytes:
             raise ValueError(
@@ -52,8 +60,10 @@ class CpuBackend:
             # CUDA device was blocking (2026-12-01, with other bench changes too).
             device_impl = CudaDevice(device, blocking_events=False)
         self._dev = device_impl if device_impl is not None else make_device(device)
-        # Copies run on the calling thread: bind it, one stream per direction.
-        self._streams = {True: self._dev.bind_thread(store_stream), False: self._dev.bind_thread(load_stream)}
+        # Copies run on the calling thread: bind it, ``streams`` streams per direction.
+        self._streams = {True: [self._dev.bind_thread(store_stream) for _ in range(streams)],
+                         False: [self._dev.bind_thread(load_stream) for _ in range(streams)]}
+        self._turn = itertools.count()
         self._layout = layout
         self._num_slots = num_slots
         flat = alloc_host(num_slots * total_block_bytes, 4096)
@@ -73,7 +83,8 @@ class CpuBackend:
         if self._pool is None:
             raise RuntimeError("CpuBackend is not initialised (call init, or it was shut down)")
         blocks, slots = check_job(src_blocks, dst_blocks, is_store, self._layout.num_blocks, self._num_slots)
-        stream = self._streams[is_store]
+        lane = self._streams[is_store]
+        stream = lane[next(self._turn) % len(lane)]
         if is_store:
             ev = self._dev.copy_to_host(stream, self._layout, blocks, self._pool, slots, wait_event)
         else:

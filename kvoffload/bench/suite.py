@@ -98,6 +98,7 @@ class Config:
     quick: bool
     seed: int
     max_blocks: int = 16384
+    dram_streams: tuple[int, ...] = (1,)
 
     @property
     def ceiling_seconds(self) -> float:
@@ -308,12 +309,17 @@ class Bench:
                 backend.shutdown()
 
     def dram(self, L: Layout, caches, ref, jobs) -> None:
+        for streams in self.cfg.dram_streams:
+            self.dram_case(L, caches, ref, jobs, streams)
+
+    def dram_case(self, L: Layout, caches, ref, jobs, streams: int) -> None:
         cfg = self.cfg
         store_jobs, load_jobs = jobs
         n = sum(len(s) for s, _ in store_jobs)
         b = CpuBackend()
-        b.init(caches, cfg.device, None, None, n, L.block_bytes)
+        b.init(caches, cfg.device, None, None, n, L.block_bytes, streams=streams)
         oks: list[bool] = []
+        name = f"{L.name} dram" + ("" if streams == 1 else f" {streams} streams")
 
         def one_pass(is_store: bool) -> Timed:
             if not is_store:
@@ -324,13 +330,13 @@ class Bench:
             return t
 
         try:
-            info = {"blocks": n, "block_bytes": L.block_bytes, "jobs": len(store_jobs)}
+            info = {"blocks": n, "block_bytes": L.block_bytes, "jobs": len(store_jobs), "streams": streams}
             t = passes(cfg.case_seconds, lambda: one_pass(True))
-            self.add(Case(f"{L.name} dram store", "dram", L.name, t, (f"{L.name} pinned d2h",), None,
+            self.add(Case(f"{name} store", "dram", L.name, t, (f"{L.name} pinned d2h",), None,
                           {**info, "op": "store"}))
             oks.clear()
             t = passes(cfg.case_seconds, lambda: one_pass(False))
-            self.add(Case(f"{L.name} dram load", "dram", L.name, t, (f"{L.name} pinned h2d",), all(oks),
+            self.add(Case(f"{name} load", "dram", L.name, t, (f"{L.name} pinned h2d",), all(oks),
                           {**info, "op": "load"}))
         finally:
             b.shutdown()
@@ -594,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of how slots are sealed: aes-gcm (the default: encrypted), xxh3 (checksums), off")
     p.add_argument("--job-mib", type=float, default=32, help="MiB per launch_copy job (32)")
     p.add_argument("--io-threads", type=int, default=None, help="DiskBackend io_threads (default: the backend's)")
+    p.add_argument("--dram-streams", default="1",
+                   help="comma list: streams per direction of the DRAM backend, one case each (1: vLLM's DMA backend)")
     p.add_argument("--io-unit-mib", type=float, default=DEFAULT_IO_UNIT_BYTES / MiB,
                    help=f"DiskBackend io_unit_bytes in MiB ({DEFAULT_IO_UNIT_BYTES / MiB:g})")
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
@@ -634,8 +642,18 @@ def config_from(a: argparse.Namespace) -> Config:
         case_seconds=case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
         job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads,
         io_unit_bytes=int(a.io_unit_mib * MiB), slots=a.slots, allow_drop_caches=not a.no_drop_caches,
-        quick=a.quick, seed=a.seed, max_blocks=a.max_blocks,
+        quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=dram_streams(a.dram_streams),
     )
+
+
+def dram_streams(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise SystemExit(f"--dram-streams {text!r}: expected a comma list of distinct integers >= 1, e.g. 1,4")
+    return counts
 
 
 @dataclass
@@ -704,6 +722,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         for L in cfg.layouts},
             "modes": cfg.modes, "seals": cfg.seals, "only": sorted(cfg.only), "slots": cfg.slots,
             "job_bytes": cfg.job_bytes, "io_threads": cfg.io_threads, "io_threads_used": cfg.threads,
+            "dram_streams": list(cfg.dram_streams),
             "io_unit_bytes": cfg.io_unit_bytes, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
             "case_seconds": cfg.case_seconds, "seal_buffer_bytes": SEAL_BUFFER_BYTES,
             "host_bound": {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4)},
