@@ -7,6 +7,8 @@ IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and t
 PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
 DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
 one busy thread gets the whole drive, up to what one thread's queue depth reaches.
+A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path:
+its unit copies are host memcpys between the primary's rows and its staging buffers.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from kvsim.tiers import Pipeline, kvoffload_threads
 
 
 class TransferModel:
-    def __init__(self, profile: IoProfile, pipe: Optional[Pipeline], block_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, profile: IoProfile, pipe: Optional[Pipeline], block_bytes: int, slot_bytes: int,
+                 host_device: bool = False) -> None:
         p = profile
         self.profile, self.pipe = p, pipe
         self.block_bytes, self.slot_bytes = block_bytes, slot_bytes
         self._call = p.copy_call_us * 1e3
         self._pcie = {True: bytes_per_ns(p.pcie_h2d_gib_s), False: bytes_per_ns(p.pcie_d2h_gib_s)}
         self._seam = {True: bytes_per_ns(p.seam_h2d_gib_s), False: bytes_per_ns(p.seam_d2h_gib_s)}
+        # A host "device" (kvoffload's CpuDevice) copies synchronously: no call to a copy engine.
+        self._unit_call = 0.0 if host_device else self._call
+        if host_device:
+            self._seam = dict.fromkeys((True, False), bytes_per_ns(p.memcpy_gib_s))
         self._host = bytes_per_ns(p.host_io_gib_s)
         self._page_cache = {False: bytes_per_ns(p.page_cache_read_gib_s), True: bytes_per_ns(p.page_cache_write_gib_s)}
         if pipe is None:
@@ -60,8 +67,8 @@ class TransferModel:
         return self._call + num_blocks * self.block_bytes / self._pcie[to_device]
 
     def unit_copy_ns(self, rows: int, k: int, to_device: bool) -> float:
-        """kvoffload's batched copy of a unit, its threads sharing the link."""
-        return self._call + rows * self.block_bytes * k / self._seam[to_device]
+        """kvoffload's batched copy of a unit, its threads sharing the link (or host memory)."""
+        return self._unit_call + rows * self.block_bytes * k / self._seam[to_device]
 
     # -- units --------------------------------------------------------------------
 
