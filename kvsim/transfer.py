@@ -46,11 +46,16 @@ class TransferModel:
     # -- per block, one of k busy threads -------------------------------------------
 
     def disk_ns(self, k: int, write: bool) -> float:
-        """O_DIRECT IO of one slot."""
+        """O_DIRECT IO of one slot, the drives alone (host memory bounds the whole unit: ``_host_ns``)."""
         d = self.profile.disk_write if write else self.profile.disk_read
         depth = k * self.pipe.ios_per_thread / self.drives
-        drives = min(self.drives * d.rate(self.slot_bytes, depth), self._host)
-        return self.slot_bytes * k / drives
+        return self.slot_bytes * k / (self.drives * d.rate(self.slot_bytes, depth))
+
+    def _host_ns(self, rows: int, k: int) -> float:
+        """The least time ``rows`` slots of file IO take on one of k threads: every
+        pass through DRAM (IO, staging, seal, copy) of all threads shares host memory,
+        so the bound is on the whole unit, not on one of its stages."""
+        return rows * self.slot_bytes * k / self._host
 
     def page_cache_ns(self, k: int, write: bool) -> float:
         """A buffered copy of one slot out of (into) the page cache."""
@@ -76,23 +81,28 @@ class TransferModel:
         """(thread busy, done after start) of a store unit of ``rows`` blocks."""
         if self.rows:  # kvoffload: copy the unit, then seal and write each slot
             t = self.unit_copy_ns(rows, k, False) + rows * (self._seal + self.io_ns(k, True))
+            t = max(t, self._host_ns(rows, k))
             return round(t), round(t)
-        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False))
+        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False), k)
 
     def load_unit(self, rows: int, hits: int, k: int) -> tuple[int, int]:
         """(thread busy, done after start) of a load unit; ``hits`` rows are in the page cache."""
         hit, miss = self.page_cache_ns(k, False), self.disk_ns(k, False)
+        if self.pipe.page_cache:  # a buffered read that misses fills the page cache, then copies out of it
+            miss += hit
         if self.rows:
             # Read and open the unit, then copy it to the GPU while the thread reads
             # its next unit: the thread is held for the longer of the two.
             read = hits * (hit + self._seal) + (rows - hits) * (miss + self._seal)
             copy = self.unit_copy_ns(rows, k, True)
+            read = max(read, self._host_ns(rows, k))
             return round(max(read, copy)), round(read + copy)
-        return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True))
+        return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True), k)
 
-    def _pipelined(self, rows: int, hits: int, io: float, hit_io: float, dma: float) -> tuple[int, int]:
+    def _pipelined(self, rows: int, hits: int, io: float, hit_io: float, dma: float, k: int) -> tuple[int, int]:
         """vLLM 0.33: block by block, each block's copy overlapping the next one's IO
         through two staging slots: the slower stage sets the pace, the other is paid once."""
+        io = max(io, self._host_ns(1, k))
         io += self._seal
         hit_io += self._seal
         first = min(hit_io if hits else io, dma)
