@@ -13,7 +13,7 @@ threads moving a job in units (``Pipeline``; transfer.py has the times).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -185,7 +185,8 @@ class OffloadTier:
         self.bytes_stored += num_blocks * self.block_bytes
 
     def poll(self, now: int, out: list[Event]) -> list[Any]:
-        """Complete finished jobs; return the resumed requests (``out``: events to schedule)."""
+        """Complete finished jobs; return the resumed requests. ``out`` takes the events of
+        transfers a poll starts (a two-level tier's second hop; none here)."""
         self.poll_stores(now)
         return [job.payload for job in self.poll_loads(now)]
 
@@ -199,7 +200,8 @@ class OffloadTier:
         return self._finished(self._jobs[False], now, in_order, self.pool.complete_load)
 
     @staticmethod
-    def _finished(jobs: deque[Job], now: int, in_order: bool, complete: Any) -> list[Job]:
+    def _finished(jobs: deque[Job], now: int, in_order: bool,
+                  complete: Callable[[list[int], bool], None]) -> list[Job]:
         done = []
         while jobs and jobs[0].done_ns <= now:
             done.append(jobs.popleft())

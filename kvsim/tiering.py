@@ -21,7 +21,8 @@ existing timed paths (offload.py). What vLLM's code does (``tiering/manager.py``
 Simplified: a request waiting for a promotion holds its CPU hits from its first
 lookup (vLLM looks them up again each step and could lose one to an eviction
 meanwhile); a chunk whose write into the CPU is in flight for another request ends
-this request's hit (vLLM would wait for that write).
+this request's hit (vLLM would wait for that write); a promotion that the ``faster``
+policy drops (vLLM has no such policy) has still evicted what its CPU slots held.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvsim.io import IoStation
 from kvsim.offload import Job, LoadPlan, OffloadTier
 from kvsim.profile import IoProfile
 from kvsim.request import Units
-from kvsim.tiers import TierSpec
+from kvsim.tiers import Pipeline, TierSpec
 from kvsim.transfer import TransferModel
 
 
@@ -79,7 +80,7 @@ class TwoLevelTier:
         return self.disk.num_evictions
 
     @property
-    def pipe(self):
+    def pipe(self) -> Optional[Pipeline]:
         return self.disk.pipe
 
     @property
