@@ -28,7 +28,7 @@ from typing import Any, Optional
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.hardware import Hardware
 from kvsim.offload import OffloadTier
-from kvsim.profile import DiskDirection, GiB, IoProfile
+from kvsim.profile import HOST_PASSES, DiskDirection, GiB, IoProfile
 from kvsim.tiers import KVOFFLOAD, TierSpec
 
 # One thread sealing a slot, measured on the 2-core dev VM (shared notes
@@ -36,9 +36,6 @@ from kvsim.tiers import KVOFFLOAD, TierSpec
 # xxh3_64 44 GiB/s). The bench has no case that times sealing alone.
 SEAL_GIB_S = {"aes-gcm": 9.4, "xxh3": 44.0}
 COPY_CALL_US = 7.0  # notes §4.3, when the bench has one block size only
-# A file load moves each byte through DRAM about five times (page cache or drive
-# read, staging write, seal read and write, DMA read) against a memcpy's two.
-HOST_PASSES = 5
 # kvsim's claim for the bench's own jobs (docs/kvsim.md, tests/test_kvsim_calibrate.py).
 TOLERANCE = 0.10
 

@@ -29,7 +29,7 @@ from kvsim.trace import TraceError, read_trace, write_kvsim
 
 # The reload scenario is sized so that a 100 GB disk holds its working set (generate.py);
 # a real trace needs more (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
-SCENARIO_TIERS = ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB")
+SCENARIO_TIERS = ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB", "cpu:8GiB+disk:100GB")
 TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TB", "disk:1TB")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 COMMANDS = """commands:

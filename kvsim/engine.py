@@ -22,8 +22,8 @@ from kvsim.events import Event, Kind
 from kvsim.gpu_cache import GpuPrefixCache
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
-from kvsim.offload import OffloadTier
 from kvsim.request import Request, prompt_units
+from kvsim.tiering import Tier
 
 LOAD_POLICIES = ("always", "faster")
 
@@ -41,7 +41,7 @@ class Engine:
         self,
         model: ModelShape,
         hw: Hardware,
-        tier: Optional[OffloadTier],
+        tier: Optional[Tier],
         next_event_time: Callable[[], Optional[int]],
         load_policy: str = "faster",
     ) -> None:
@@ -113,9 +113,9 @@ class Engine:
         now = ev.time_ns
         if ev.payload is not None:
             self._finish_batch(now, ev.payload)
-        out: list[Event] = []
+        out: list[Event] = []  # the tier's polling may start transfers (a second hop)
         if self.tier is not None:
-            resumed = self.tier.poll(now)
+            resumed = self.tier.poll(now, out)
             for req in resumed:
                 self._resume(req, now)
             self.waiting.extendleft(reversed(resumed))
@@ -248,20 +248,21 @@ class Engine:
         if tier is not None and g < cap:
             m = tier.lookup(keys[g:cap])
         if m:
-            load_keys = keys[g : g + m]
-            weights = [u.weight(i) for i in range(g, g + m)]
-            slots = tier.pool.prepare_load(load_keys)  # pins
-            eta = self._resume_after_ns(tier.load_eta_ns(now, slots, weights))
+            plan = tier.prepare_load(keys[g : g + m], [u.weight(i) for i in range(g, g + m)])  # pins
+            m = len(plan.keys)  # a two-level tier may hold less (no CPU room to promote into)
+        if m:
+            # Each hop is seen at the step boundary after it; the next hop starts there.
+            eta = sum(self._resume_after_ns(t) for t in tier.load_eta_ns(now, plan))
             n_load = u.blocks(g + m) - hit
             if self.load_policy == "faster" and eta > self.recompute_eta_ns(n_load * bs, hit * bs):
-                tier.pool.complete_load(load_keys, ok=True)  # unpin: recompute instead
+                tier.cancel_load(plan)  # unpin: recompute instead
                 m = 0
             else:
-                out.append(tier.load(now, load_keys, slots, weights, r))
+                out.append(tier.load(now, plan, r))
                 r.load_blocks = n_load
                 r.load_eta_ns = now + eta
         if m:  # vLLM touches the hit past the GPU prefix hit, not the GPU-hit part
-            tier.pool.touch(keys[g : g + m])
+            tier.touch(keys[g : g + m])
         seen = self._seen
         s = 0
         for k in keys[:cap]:

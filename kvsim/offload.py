@@ -13,7 +13,7 @@ threads moving a job in units (``Pipeline``; transfer.py has the times).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,13 +37,24 @@ class Job:
     payload: Any = None  # loads: the parked request
 
 
+@dataclass(slots=True)
+class LoadPlan:
+    """Units a request will load, pinned in the tier until the load ends or is dropped."""
+
+    keys: list[int]
+    weights: list[int]  # vLLM blocks per unit
+    slots: list[int]
+    promote: Any = None  # a two-level tier's disk part (tiering.py)
+
+
 class OffloadTier:
     def __init__(self, spec: TierSpec, hw: Hardware, profile: IoProfile, block_bytes: int, unit_blocks: int,
-                 max_units: Optional[int] = None) -> None:
+                 max_units: Optional[int] = None, host_device: bool = False) -> None:
         """``unit_blocks`` vLLM blocks per pool slot; ``max_units``: distinct units the
         replay can ever offer (a pool with more slots never evicts, so it gets no more:
-        memory follows the trace, not the capacity)."""
-        assert spec.kind in ("cpu", "disk", "vllm-disk")
+        memory follows the trace, not the capacity). ``host_device``: a secondary tier
+        moving blocks between host memory (the CPU primary) and disk."""
+        assert spec.kind in ("cpu", "disk", "vllm-disk") and spec.secondary is None
         self.block_bytes = block_bytes
         self.pipe = spec.pipeline
         disk = self.pipe is not None
@@ -53,7 +64,7 @@ class OffloadTier:
             raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots")
         self.capacity_units = num_slots(spec.capacity_bytes, slot_bytes) // unit_blocks
         self.pool = SlotPool(min(self.capacity_units, max_units or self.capacity_units))
-        self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes)
+        self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes, host_device)
         threads = self.xfer.threads if disk else 1
         self.stations = {False: IoStation(threads), True: IoStation(threads)}  # by is_store
         self._jobs: dict[bool, deque[Job]] = {False: deque(), True: deque()}
@@ -97,7 +108,7 @@ class OffloadTier:
         return when it is done. The replay's jobs and calibration's bench jobs both come here."""
         return self._submit(self.stations[is_store], now, num_blocks, resident, is_store)
 
-    def load_eta_ns(self, now: int, slots: Sequence[int], weights: Sequence[int]) -> int:
+    def transfer_ns(self, now: int, slots: Sequence[int], weights: Sequence[int]) -> int:
         """Duration from now until a load of ``slots`` submitted now would finish."""
         station = self.stations[False].copy()
         return self._submit(station, now, sum(weights), self._resident(slots, weights), False) - now
@@ -105,13 +116,38 @@ class OffloadTier:
     def _resident(self, slots: Sequence[int], weights: Sequence[int]) -> int:
         return self.page_cache.resident_blocks(slots, weights) if self.page_cache is not None else 0
 
+    @property
+    def num_evictions(self) -> int:
+        """Units the tier dropped to make room."""
+        return self.pool.num_evictions
+
     # -- the engine's calls ---------------------------------------------------
 
     def lookup(self, keys: Sequence[int]) -> int:
         return self.pool.lookup(keys)
 
-    def load(self, now: int, keys: list[int], slots: list[int], weights: Sequence[int], req: Any) -> Event:
-        """Start loading units ``keys`` (pinned by ``pool.prepare_load``) for ``req``."""
+    def touch(self, keys: Sequence[int]) -> None:
+        """A hit: the units become most recently used."""
+        self.pool.touch(keys)
+
+    def prepare_load(self, keys: list[int], weights: list[int]) -> LoadPlan:
+        """Pin ``keys`` (a hit ``lookup`` found) for a load; ``load`` or ``cancel_load`` it."""
+        return LoadPlan(keys, weights, self.pool.prepare_load(keys))
+
+    def cancel_load(self, plan: LoadPlan) -> None:
+        """The engine recomputes instead: unpin."""
+        self.pool.complete_load(plan.keys, ok=True)
+
+    def load_eta_ns(self, now: int, plan: LoadPlan) -> tuple[int, ...]:
+        """Each hop of the load submitted now, in ns: here one, straight to the GPU."""
+        return (self.transfer_ns(now, plan.slots, plan.weights),)
+
+    def load(self, now: int, plan: LoadPlan, req: Any) -> Event:
+        """Start the load of ``plan`` for ``req``."""
+        return self.load_slots(now, plan.keys, plan.slots, plan.weights, req)
+
+    def load_slots(self, now: int, keys: list[int], slots: list[int], weights: Sequence[int], payload: Any) -> Event:
+        """Start loading units ``keys`` (pinned in ``slots``); ``payload`` comes back from ``poll``."""
         n = sum(weights)
         hits = self._resident(slots, weights)
         done = self.submit_job(now, n, False, hits)
@@ -119,7 +155,7 @@ class OffloadTier:
             self.disk_bytes_read += (n - hits) * self.block_bytes
         if self.page_cache is not None:
             self.page_cache.touch(slots)
-        self._jobs[False].append(Job(done, keys, n, req))
+        self._jobs[False].append(Job(done, keys, n, payload))
         self.bytes_loaded += n * self.block_bytes
         return Event(done, Kind.IO_DONE)
 
@@ -132,30 +168,53 @@ class OffloadTier:
         granted = self.pool.prepare_store(units.keys[start:stop])
         if not granted:
             return
-        stored = [h for h, _ in granted]
-        n = len(stored) * units.per_unit
-        if stop == len(units.keys) and stored[-1] == units.keys[-1]:
-            n -= units.per_unit - units.last
-        done = self.submit_job(now, n, True)
+        n = len(granted) * units.per_unit
+        # The request's last unit may hold fewer full blocks: the job carries its weight.
+        last = units.last if stop == len(units.keys) and granted[-1][0] == units.keys[-1] else units.per_unit
+        n -= units.per_unit - last
+        self.store_slots(now, granted, n, (units.per_unit, last))
+
+    def store_slots(self, now: int, granted: list[tuple[int, int]], num_blocks: int, payload: Any = None) -> None:
+        """Store units ``granted`` (``(key, slot)``s from ``pool.prepare_store``) of ``num_blocks``."""
+        done = self.submit_job(now, num_blocks, True)
         if self.page_cache is not None:
             self.page_cache.touch([s for _, s in granted])
             # Buffered writes return once copied unless the dirty backlog is over the limit.
-            done = max(done, self._writeback.dirty(now, n * self.block_bytes))
-        self._jobs[True].append(Job(done, stored, n))
-        self.bytes_stored += n * self.block_bytes
+            done = max(done, self._writeback.dirty(now, num_blocks * self.block_bytes))
+        self._jobs[True].append(Job(done, [h for h, _ in granted], num_blocks, payload))
+        self.bytes_stored += num_blocks * self.block_bytes
 
-    def poll(self, now: int) -> list[Any]:
-        """Complete finished jobs front-first per direction; return the resumed requests."""
-        stores = self._jobs[True]
-        while stores and stores[0].done_ns <= now:
-            self.pool.complete_store(stores.popleft().keys, ok=True)
-        loads = self._jobs[False]
-        resumed = []
-        while loads and loads[0].done_ns <= now:
-            job = loads.popleft()
-            self.pool.complete_load(job.keys, ok=True)
-            resumed.append(job.payload)
-        return resumed
+    def poll(self, now: int, out: list[Event]) -> list[Any]:
+        """Complete finished jobs; return the resumed requests. ``out`` takes the events of
+        transfers a poll starts (a two-level tier's second hop; none here)."""
+        self.poll_stores(now)
+        return [job.payload for job in self.poll_loads(now)]
+
+    def poll_stores(self, now: int, in_order: bool = True) -> list[Job]:
+        """Finished store jobs, published in the pool (``in_order``: front-first, as the
+        worker polls; else every finished one, as a secondary tier reports them)."""
+        return self._finished(self._jobs[True], now, in_order, self.pool.complete_store)
+
+    def poll_loads(self, now: int, in_order: bool = True) -> list[Job]:
+        """Finished load jobs, unpinned in the pool."""
+        return self._finished(self._jobs[False], now, in_order, self.pool.complete_load)
+
+    @staticmethod
+    def _finished(jobs: deque[Job], now: int, in_order: bool,
+                  complete: Callable[[list[int], bool], None]) -> list[Job]:
+        done = []
+        while jobs and jobs[0].done_ns <= now:
+            done.append(jobs.popleft())
+        if not in_order and jobs:
+            late = [j for j in jobs if j.done_ns <= now]
+            if late:
+                done += late
+                jobs_left = [j for j in jobs if j.done_ns > now]
+                jobs.clear()
+                jobs.extend(jobs_left)
+        for job in done:
+            complete(job.keys, ok=True)
+        return done
 
     def disk_bytes_written(self) -> int:
         if self.pipe is None:

@@ -21,6 +21,9 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 BUILTIN = {"h200-disk": "h200_disk.json", "h200-array": "h200_array.json"}
 DEFAULT_PROFILE = "h200-disk"
 SEALS = ("aes-gcm", "xxh3", "off")
+# A file load moves each byte through DRAM about five times (page cache or drive
+# read, staging write, seal read and write, DMA read) against a memcpy's two.
+HOST_PASSES = 5
 
 
 def bytes_per_ns(gib_s: float) -> float:
@@ -94,6 +97,12 @@ class IoProfile:
                 raise ValueError(f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
         if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
             raise ValueError(f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
+
+    @property
+    def memcpy_gib_s(self) -> float:
+        """A host memcpy of all threads together (two DRAM passes a byte): the copy a
+        secondary tier makes between the CPU primary's rows and its staging buffers."""
+        return self.host_io_gib_s * HOST_PASSES / 2
 
     def seal_ns_per_byte(self, seal: str) -> float:
         return 0.0 if seal == "off" else 1.0 / bytes_per_ns(self.seal_gib_s[seal])

@@ -13,9 +13,9 @@ from kvsim.engine import Engine
 from kvsim.events import Event, EventLoop, Kind
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
-from kvsim.offload import OffloadTier
 from kvsim.profile import DEFAULT_PROFILE, IoProfile, bytes_per_ns, load_profile
 from kvsim.request import Request
+from kvsim.tiering import Tier, TwoLevelTier, make_tier
 from kvsim.tiers import TierSpec
 from kvsim.trace import TraceRequest
 
@@ -80,7 +80,7 @@ def build(
     if spec.kind != "none":
         unit_blocks = tokens.pop() // hw.block_size if tokens else 1
         distinct = len({h for r in requests for h in r.hash_ids})
-        tier = OffloadTier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
+        tier = make_tier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
     loop = EventLoop()
     engine = Engine(model, hw, tier, loop.next_time, cfg.load_policy)
     loop.on(Kind.ARRIVAL, engine.on_arrival)
@@ -104,7 +104,7 @@ def _ttft(reqs: Sequence[Request]) -> np.ndarray:
 
 
 def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, num_events: int) -> dict:
-    tier: Optional[OffloadTier] = engine.tier
+    tier: Optional[Tier] = engine.tier
     bs = engine.bs
     done = sorted(engine.finished, key=lambda r: r.rid)
     prompt = sum(r.prompt for r in done)
@@ -139,7 +139,7 @@ def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, n
         "io_threads_busy": None,
         "stores_pending_at_end": None,
         "gpu_evictions": engine.gpu.num_evictions,
-        "tier_evictions": tier.pool.num_evictions if tier else 0,
+        "tier_evictions": tier.num_evictions if tier else 0,
         "makespan_s": round(max(end_ns, 1) / 1e9, 3),
         "steps": engine.num_steps,
         "events": num_events,
@@ -152,10 +152,12 @@ def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, n
             f"tier; slow the arrivals (--time-scale, --sample)")
     if tier is not None:
         _add_io(out, tier, profile, end_ns)
+    if isinstance(tier, TwoLevelTier):
+        out["bytes_promoted"] = tier.bytes_promoted  # disk -> CPU: the reloads the CPU level missed
     return out
 
 
-def _add_io(out: dict, tier: OffloadTier, profile: IoProfile, end_ns: int) -> None:
+def _add_io(out: dict, tier: Tier, profile: IoProfile, end_ns: int) -> None:
     """Utilisation over the run and the drain of the stores still queued at its end."""
     jobs, nbytes, drain_ns = tier.pending_stores(end_ns)
     out["stores_pending_at_end"] = {"jobs": jobs, "bytes": nbytes, "drain_s": round(drain_ns / 1e9, 3)}

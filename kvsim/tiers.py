@@ -8,7 +8,9 @@ O_DIRECT), ``threads=N`` (IO threads per slot file and direction: kvoffload's
 one thread); ``disk`` only: ``unit=SIZE``
 (a job is split into units of this size over the threads), ``seal=aes-gcm|xxh3|off``,
 ``paths=N`` (slot files, one per drive). Sizes by kvoffload's rules (``8GiB``,
-``100GB``). ``+`` is kept for a two-level tier (``cpu:8GiB+disk:1TB``, issue 16).
+``100GB``). Two levels, as vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec``
+runs them: ``cpu:SIZE+disk:SIZE[:OPTION]...`` (a CPU primary, kvoffload's slot files as
+the secondary tier; tiering.py).
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ class TierSpec:
     capacity_bytes: int = 0
     pipeline: Optional[Pipeline] = None  # disk kinds only
     text: str = "none"
+    secondary: Optional["TierSpec"] = None  # cpu only: the disk level under it
 
     @property
     def page_cache(self) -> bool:
+        if self.secondary is not None:
+            return self.secondary.page_cache
         return self.pipeline is not None and self.pipeline.page_cache
 
 
@@ -87,8 +92,28 @@ def _int_option(text: str, name: str, value: str) -> int:
 
 def parse_tier(text: str) -> TierSpec:
     spec = text.strip()
-    if "+" in spec:
-        raise ValueError(f"bad tier {text!r}: two-level tiers (cpu:SIZE+disk:SIZE) are not modelled yet")
+    if "+" not in spec:
+        return _parse_level(text, spec)
+    levels = spec.split("+")
+    if len(levels) != 2:
+        raise ValueError(f"bad tier {text!r}: a two-level tier has two levels, cpu:SIZE+disk:SIZE")
+    first, second = (lv.strip() for lv in levels)
+    if first.split(":")[0].lower() != "cpu":
+        raise ValueError(f"bad tier {text!r}: the first level must be the CPU primary, cpu:SIZE "
+                         f"(got {first!r}); e.g. cpu:8GiB+disk:1TB")
+    kind = second.split(":")[0].lower()
+    if kind == "vllm-disk":
+        raise ValueError(f"bad tier {text!r}: vllm-disk is vLLM's simple-offload disk backend, not a "
+                         f"secondary tier (vLLM's own fs tier is not modelled); use disk:SIZE")
+    if kind != "disk":
+        raise ValueError(f"bad tier {text!r}: the second level must be kvoffload's disk tier, "
+                         f"disk:SIZE[:OPTION...] (got {second!r})")
+    primary = _parse_level(text, first)
+    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second))
+
+
+def _parse_level(text: str, spec: str) -> TierSpec:
+    """One level (``spec``) of the tier ``text``."""
     parts = spec.split(":")
     kind = parts[0].lower()
     if kind == "none" and len(parts) == 1:

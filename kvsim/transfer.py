@@ -7,6 +7,8 @@ IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and t
 PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
 DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
 one busy thread gets the whole drive, up to what one thread's queue depth reaches.
+A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path:
+its unit copies are host memcpys between the primary's rows and its staging buffers.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from kvsim.tiers import Pipeline, kvoffload_threads
 
 
 class TransferModel:
-    def __init__(self, profile: IoProfile, pipe: Optional[Pipeline], block_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, profile: IoProfile, pipe: Optional[Pipeline], block_bytes: int, slot_bytes: int,
+                 host_device: bool = False) -> None:
         p = profile
         self.profile, self.pipe = p, pipe
         self.block_bytes, self.slot_bytes = block_bytes, slot_bytes
         self._call = p.copy_call_us * 1e3
         self._pcie = {True: bytes_per_ns(p.pcie_h2d_gib_s), False: bytes_per_ns(p.pcie_d2h_gib_s)}
         self._seam = {True: bytes_per_ns(p.seam_h2d_gib_s), False: bytes_per_ns(p.seam_d2h_gib_s)}
+        # A host "device" (kvoffload's CpuDevice) copies synchronously: no call to a copy engine.
+        self._unit_call = 0.0 if host_device else self._call
+        if host_device:
+            self._seam = dict.fromkeys((True, False), bytes_per_ns(p.memcpy_gib_s))
         self._host = bytes_per_ns(p.host_io_gib_s)
         self._page_cache = {False: bytes_per_ns(p.page_cache_read_gib_s), True: bytes_per_ns(p.page_cache_write_gib_s)}
         if pipe is None:
@@ -39,11 +46,16 @@ class TransferModel:
     # -- per block, one of k busy threads -------------------------------------------
 
     def disk_ns(self, k: int, write: bool) -> float:
-        """O_DIRECT IO of one slot."""
+        """O_DIRECT IO of one slot, the drives alone (host memory bounds the whole unit: ``_host_ns``)."""
         d = self.profile.disk_write if write else self.profile.disk_read
         depth = k * self.pipe.ios_per_thread / self.drives
-        drives = min(self.drives * d.rate(self.slot_bytes, depth), self._host)
-        return self.slot_bytes * k / drives
+        return self.slot_bytes * k / (self.drives * d.rate(self.slot_bytes, depth))
+
+    def _host_ns(self, rows: int, k: int) -> float:
+        """The least time ``rows`` slots of file IO take on one of k threads: every
+        pass through DRAM (IO, staging, seal, copy) of all threads shares host memory,
+        so the bound is on the whole unit, not on one of its stages."""
+        return rows * self.slot_bytes * k / self._host
 
     def page_cache_ns(self, k: int, write: bool) -> float:
         """A buffered copy of one slot out of (into) the page cache."""
@@ -60,8 +72,8 @@ class TransferModel:
         return self._call + num_blocks * self.block_bytes / self._pcie[to_device]
 
     def unit_copy_ns(self, rows: int, k: int, to_device: bool) -> float:
-        """kvoffload's batched copy of a unit, its threads sharing the link."""
-        return self._call + rows * self.block_bytes * k / self._seam[to_device]
+        """kvoffload's batched copy of a unit, its threads sharing the link (or host memory)."""
+        return self._unit_call + rows * self.block_bytes * k / self._seam[to_device]
 
     # -- units --------------------------------------------------------------------
 
@@ -69,23 +81,28 @@ class TransferModel:
         """(thread busy, done after start) of a store unit of ``rows`` blocks."""
         if self.rows:  # kvoffload: copy the unit, then seal and write each slot
             t = self.unit_copy_ns(rows, k, False) + rows * (self._seal + self.io_ns(k, True))
+            t = max(t, self._host_ns(rows, k))
             return round(t), round(t)
-        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False))
+        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False), k)
 
     def load_unit(self, rows: int, hits: int, k: int) -> tuple[int, int]:
         """(thread busy, done after start) of a load unit; ``hits`` rows are in the page cache."""
         hit, miss = self.page_cache_ns(k, False), self.disk_ns(k, False)
+        if self.pipe.page_cache:  # a buffered read that misses fills the page cache, then copies out of it
+            miss += hit
         if self.rows:
             # Read and open the unit, then copy it to the GPU while the thread reads
             # its next unit: the thread is held for the longer of the two.
             read = hits * (hit + self._seal) + (rows - hits) * (miss + self._seal)
             copy = self.unit_copy_ns(rows, k, True)
+            read = max(read, self._host_ns(rows, k))
             return round(max(read, copy)), round(read + copy)
-        return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True))
+        return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True), k)
 
-    def _pipelined(self, rows: int, hits: int, io: float, hit_io: float, dma: float) -> tuple[int, int]:
+    def _pipelined(self, rows: int, hits: int, io: float, hit_io: float, dma: float, k: int) -> tuple[int, int]:
         """vLLM 0.33: block by block, each block's copy overlapping the next one's IO
         through two staging slots: the slower stage sets the pace, the other is paid once."""
+        io = max(io, self._host_ns(1, k))
         io += self._seal
         hit_io += self._seal
         first = min(hit_io if hits else io, dma)

@@ -30,7 +30,7 @@ def test_the_default_replay_shows_both_disk_tiers_and_each_phase(capsys):
     assert main(["trace", "replay"]) == 0
     out = capsys.readouterr().out
     assert "qwen3-32b" in out and "hardware h200-disk" in out
-    for text in ("vllm-disk:100GB", "disk:100GB", "fill TTFT P50", "reload TTFT P99", "IO threads busy",
+    for text in ("vllm-disk:100GB", "disk:100GB", "cpu:8GiB+disk:100GB", "fill TTFT P50", "reload TTFT P99", "IO threads busy",
                  "stores queued at the end"):
         assert text in out
 

@@ -108,12 +108,12 @@ def test_poll_stops_at_the_first_unfinished_job():
     tier.pool.complete_store([h for h, _ in granted], ok=True)
     now = 10**12
     long_keys, short_keys = keys[:150], keys[150:151]
-    ev_long = tier.load(now, long_keys, tier.pool.prepare_load(long_keys), [1] * 150, "long")
-    ev_short = tier.load(now, short_keys, tier.pool.prepare_load(short_keys), [1], "short")
+    ev_long = tier.load(now, tier.prepare_load(long_keys, [1] * 150), "long")
+    ev_short = tier.load(now, tier.prepare_load(short_keys, [1]), "short")
     assert ev_short.time_ns < ev_long.time_ns
-    assert tier.poll(ev_short.time_ns) == []
-    assert tier.poll(ev_long.time_ns - 1) == []
-    assert tier.poll(ev_long.time_ns) == ["long", "short"]
+    assert tier.poll(ev_short.time_ns, []) == []
+    assert tier.poll(ev_long.time_ns - 1, []) == []
+    assert tier.poll(ev_long.time_ns, []) == ["long", "short"]
     assert tier.pool.num_pinned() == 0
 
 
@@ -145,9 +145,9 @@ def test_in_flight_stores_are_invisible_until_polled():
     tier = _tier("cpu:1GiB")
     tier.store(0, prompt(3 * 512), 0, 3)
     assert tier.lookup([0, 1, 2]) == 0
-    tier.poll(0)
+    tier.poll(0, [])
     assert tier.lookup([0, 1, 2]) == 0  # the copy takes time
-    tier.poll(10**9)
+    tier.poll(10**9, [])
     assert tier.lookup([0, 1, 2]) == 3
 
 

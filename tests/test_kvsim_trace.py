@@ -129,7 +129,6 @@ def test_tier_specs_name_their_pipeline():
     ("disk:8GiB:pagecache:pagecache", "option pagecache given twice"),
     ("disk:8GiB:seal=rot13", "seal='rot13': use one of aes-gcm, xxh3, off"),
     ("disk:8GiB:unit=0MiB", "unit='0MiB': must be > 0"),
-    ("cpu:8GiB+disk:1TB", "two-level tiers"),
     ("disk:8 parsecs", r"^bad tier 'disk:8 parsecs': size='8 parsecs': expected an integer number of bytes"),
     ("disk:0GB", r"^bad tier 'disk:0GB': size='0GB': must be > 0"),
 ])
