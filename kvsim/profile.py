@@ -98,12 +98,6 @@ class IoProfile:
         if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
             raise ValueError(f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
 
-    @property
-    def memcpy_gib_s(self) -> float:
-        """A host memcpy of all threads together (two DRAM passes a byte): the copy a
-        secondary tier makes between the CPU primary's rows and its staging buffers."""
-        return self.host_io_gib_s * HOST_PASSES / 2
-
     def seal_ns_per_byte(self, seal: str) -> float:
         return 0.0 if seal == "off" else 1.0 / bytes_per_ns(self.seal_gib_s[seal])
 

@@ -7,8 +7,9 @@ IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and t
 PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
 DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
 one busy thread gets the whole drive, up to what one thread's queue depth reaches.
-A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path:
-its unit copies are host memcpys between the primary's rows and its staging buffers.
+A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path and
+no unit copy either: kvoffload's ``HostDevice`` seals straight from the primary's rows
+into staging and opens straight back into them, so a unit is seal and file IO alone.
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ class TransferModel:
         self._call = p.copy_call_us * 1e3
         self._pcie = {True: bytes_per_ns(p.pcie_h2d_gib_s), False: bytes_per_ns(p.pcie_d2h_gib_s)}
         self._seam = {True: bytes_per_ns(p.seam_h2d_gib_s), False: bytes_per_ns(p.seam_d2h_gib_s)}
-        # A host "device" (kvoffload's CpuDevice) copies synchronously: no call to a copy engine.
-        self._unit_call = 0.0 if host_device else self._call
-        if host_device:
-            self._seam = dict.fromkeys((True, False), bytes_per_ns(p.memcpy_gib_s))
+        self.host_device = host_device
         self._host = bytes_per_ns(p.host_io_gib_s)
         self._page_cache = {False: bytes_per_ns(p.page_cache_read_gib_s), True: bytes_per_ns(p.page_cache_write_gib_s)}
         if pipe is None:
@@ -72,8 +70,10 @@ class TransferModel:
         return self._call + num_blocks * self.block_bytes / self._pcie[to_device]
 
     def unit_copy_ns(self, rows: int, k: int, to_device: bool) -> float:
-        """kvoffload's batched copy of a unit, its threads sharing the link (or host memory)."""
-        return self._unit_call + rows * self.block_bytes * k / self._seam[to_device]
+        """kvoffload's batched copy of a unit, its threads sharing the link (none on a host device)."""
+        if self.host_device:
+            return 0.0
+        return self._call + rows * self.block_bytes * k / self._seam[to_device]
 
     # -- units --------------------------------------------------------------------
 
