@@ -37,6 +37,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvoffload.bench.ceilings import RawFile, Timed, sweep
+from kvoffload.vllm_tier import SlotTier
 
 GiB = 2**30
 MiB = 2**20
@@ -158,7 +159,7 @@ class DirectManager:
     def __init__(self, entry: dict, chunk_bytes: int, primary_chunks: int) -> None:
         import mmap
 
-        from kvoffload.vllm_tier import SlotTier, TierConfig
+        from kvoffload.vllm_tier import TierConfig
 
         self._mem = mmap.mmap(-1, primary_chunks * chunk_bytes)
         self._view = memoryview(self._mem).cast("B", (primary_chunks, chunk_bytes))
@@ -205,6 +206,10 @@ def run_tier(name: str, entries: list[dict], workdirs: list[str], a: argparse.Na
         build_manager(entries, chunk_bytes, primary_chunks)
     try:
         _store_and_load(run, manager, a, n, primary_chunks, chunk_bytes, seed, DirectDriver if direct else Driver)
+        for t in manager.secondary_tiers:  # kvoffload's: the seal its backend really ran with
+            slot_tier = getattr(t, "slot_tier", t)
+            if isinstance(slot_tier, SlotTier):
+                run.info["seal"] = slot_tier.backend.stats()["seal"]
     finally:
         manager.shutdown()
     return run
@@ -258,7 +263,7 @@ def bench(a: argparse.Namespace) -> dict:
     primary_chunks = max(1, min(n, int(a.primary_gib * GiB) // chunk_bytes))
     dirs = [os.path.abspath(d) for d in a.dir]
     out: dict = {"dirs": dirs, "chunk_bytes": chunk_bytes, "chunks": n, "primary_chunks": primary_chunks,
-                 "job_chunks": a.job_chunks, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
+                 "job_chunks": a.job_chunks, "seal": a.seal, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
     if not a.no_raw:
         raw = raw_ceilings(dirs, chunk_bytes, min(n * chunk_bytes, GiB), a.raw_seconds)
         out["raw"] = {k: {"gib_s": round(t.gib_s, 3), "cpu_s_per_gib": round(t.cpu_seconds / (t.nbytes / GiB), 3),
@@ -278,6 +283,7 @@ def bench(a: argparse.Namespace) -> dict:
                          "disk_capacity_bytes": n * chunk_bytes}
                 if a.io_threads:
                     entry["io_threads"] = a.io_threads
+                entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3")
                 entries = [entry]
             else:
                 entries = [{"type": "fs", "root_dir": w, "n_read_threads": a.fs_threads,
@@ -307,7 +313,8 @@ def bench(a: argparse.Namespace) -> dict:
 def table(out: dict) -> str:
     gib = out["chunks"] * out["chunk_bytes"] / GiB
     lines = [f"tier bench: {gib:.2f} GiB in {out['chunks']} chunks of {out['chunk_bytes'] // 1024} KiB, "
-             f"{out['job_chunks']} chunks a job, primary {out['primary_chunks']} chunks; dirs {', '.join(out['dirs'])}"]
+             f"{out['job_chunks']} chunks a job, primary {out['primary_chunks']} chunks, kvoffload seal {out['seal']}; "
+             f"dirs {', '.join(out['dirs'])}"]
     head = (f"{'tier':<12} {'dirs':>4} {'store GiB/s':>11} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
             f"{'load CPU s/GiB':>14} {'load/raw':>8} {'files':>7}  check")
     lines += [head, "-" * len(head)]
@@ -337,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", default="kvoffload,fs",
                    help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM)")
     p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
+    p.add_argument("--seal", choices=("aes-gcm", "xxh3", "off"), default="aes-gcm",
+                   help="how kvoffload's tier seals a slot: aes-gcm (its default: encrypted), xxh3 (checksums), off")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="seconds per raw queue depth (0.5)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT ceilings")
