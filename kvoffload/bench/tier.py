@@ -263,7 +263,7 @@ def bench(a: argparse.Namespace) -> dict:
     primary_chunks = max(1, min(n, int(a.primary_gib * GiB) // chunk_bytes))
     dirs = [os.path.abspath(d) for d in a.dir]
     out: dict = {"dirs": dirs, "chunk_bytes": chunk_bytes, "chunks": n, "primary_chunks": primary_chunks,
-                 "job_chunks": a.job_chunks, "seal": a.seal, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
+                 "job_chunks": a.job_chunks, "seal": a.seal, "io_unit_mib": a.io_unit_mib, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
     if not a.no_raw:
         raw = raw_ceilings(dirs, chunk_bytes, min(n * chunk_bytes, GiB), a.raw_seconds)
         out["raw"] = {k: {"gib_s": round(t.gib_s, 3), "cpu_s_per_gib": round(t.cpu_seconds / (t.nbytes / GiB), 3),
@@ -283,6 +283,8 @@ def bench(a: argparse.Namespace) -> dict:
                          "disk_capacity_bytes": n * chunk_bytes}
                 if a.io_threads:
                     entry["io_threads"] = a.io_threads
+                if a.io_unit_mib:
+                    entry["io_unit_bytes"] = int(a.io_unit_mib * MiB)
                 entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3")
                 entries = [entry]
             else:
@@ -344,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", default="kvoffload,fs",
                    help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM)")
     p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
+    p.add_argument("--io-unit-mib", type=float, default=None,
+                   help="kvoffload io_unit_bytes in MiB (default: the tier's)")
     p.add_argument("--seal", choices=("aes-gcm", "xxh3", "off"), default="aes-gcm",
                    help="how kvoffload's tier seals a slot: aes-gcm (its default: encrypted), xxh3 (checksums), off")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
@@ -356,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.job_chunks < 1 or a.gib <= 0 or a.primary_gib <= 0:
-        raise SystemExit("--job-chunks, --gib and --primary-gib must be positive")
+    if a.job_chunks < 1 or a.gib <= 0 or a.primary_gib <= 0 or (a.io_unit_mib is not None and a.io_unit_mib <= 0):
+        raise SystemExit("--job-chunks, --gib, --primary-gib and --io-unit-mib must be positive")
     out = bench(a)
     print(json.dumps(out, indent=1) if a.json else table(out))
     return 0 if out["ok"] else 1
