@@ -24,3 +24,9 @@ def test_direct_tier_round_trip_verifies_every_byte(capsys, tmp_path, seal):
     assert row["seal"] == seal
     assert row["store_gib_s"] > 0 and row["load_gib_s"] > 0 and row["files"] == 0
     assert os.listdir(d) == []
+
+
+def test_missing_dir_is_one_clear_line(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        tier.main(["--dir", str(tmp_path / "nope"), "--tiers", "kvoffload-direct"])
+    assert str(e.value.code) == f"--dir {tmp_path / 'nope'}: no such directory (the tiers' files go there; create it first)"

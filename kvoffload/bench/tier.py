@@ -362,6 +362,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     if a.job_chunks < 1 or a.gib <= 0 or a.primary_gib <= 0 or (a.io_unit_mib is not None and a.io_unit_mib <= 0):
         raise SystemExit("--job-chunks, --gib, --primary-gib and --io-unit-mib must be positive")
+    for d in a.dir:
+        if not os.path.isdir(d):
+            raise SystemExit(f"--dir {d}: no such directory (the tiers' files go there; create it first)")
     out = bench(a)
     print(json.dumps(out, indent=1) if a.json else table(out))
     return 0 if out["ok"] else 1
