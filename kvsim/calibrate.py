@@ -334,7 +334,7 @@ _FACTORS: dict[str, tuple[str, Callable[[IoProfile, float], IoProfile]]] = {
         p, first_write_page_cache=_times(p.first_write_page_cache, f))),
 }
 # What a bench without cases for a factor takes from a base profile of the same host.
-_FROM_BASE = ("page-cache write", "page-cache first write")
+_FROM_BASE = ("page-cache write", "first write", "page-cache first write")
 
 
 def _fit_factor(profile: IoProfile, cases: list[Case], apply: Callable[[IoProfile, float], IoProfile]) -> float:
@@ -372,8 +372,9 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
         cost = _first_write(cases, page_cache)
         if cost is not None:
             profile = dataclasses.replace(profile, **{field_name: cost})
+            sizes = sorted({c.block_bytes for c in cases if c.first and c.page_cache == page_cache and c.paths == 1})
             notes.append(f"{field_name}: single-file store minus rewrite per slot, both seals, at "
-                         + ", ".join(f"{b:,} B" for b in sorted({c.block_bytes for c in cases if c.first})))
+                         + ", ".join(f"{b:,} B" for b in sizes))
     for role, (field_name, apply) in _FACTORS.items():
         fit_on = [c for c in cases if c.role == role]
         if fit_on:

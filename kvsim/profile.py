@@ -113,14 +113,15 @@ class IoProfile:
         rates = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name.endswith("_gib_s") and f.name != "seal_gib_s"}
         for d in ("disk_read", "disk_write"):
-            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items() if k.endswith("_gib_s")})
+            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items()
+                          if k.endswith("_gib_s")})
         rates.update({f"seal_gib_s.{k}": v for k, v in self.seal_gib_s.items()})
         for name, v in rates.items():
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
         for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
-                        ("seam_h2d_row_us", self.seam_h2d_row_us),
-                        ("seam_d2h_row_us", self.seam_d2h_row_us), ("slot_cpu_us", self.slot_cpu_us),
+                        ("seam_h2d_row_us", self.seam_h2d_row_us), ("seam_d2h_row_us", self.seam_d2h_row_us),
+                        ("slot_cpu_us", self.slot_cpu_us),
                         *((f"{d}.{k}", getattr(getattr(self, d), k)) for d in ("disk_read", "disk_write")
                           for k in ("latency_us", "io_us")),
                         *((f"{c}.{k}", getattr(getattr(self, c), k)) for c in ("first_write", "first_write_page_cache")

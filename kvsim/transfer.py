@@ -5,8 +5,10 @@ same direction are busy. The threads share the drives (``k`` IOs of ``ios_per_th
 each, spread over the drives the slot files sit on), host memory (every byte of file
 IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and the
 PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
-DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
-one busy thread gets the whole drive, up to what one thread's queue depth reaches.
+DRAM tier: one stream of pinned copies, ``pcie_*``) and, for kvoffload's threads, the
+GIL (``slot_cpu_us`` per slot). An idle device is not split: one busy thread gets the
+whole drive, up to what one thread's queue depth reaches. A store's first writes into
+slots of a fresh file (``first_write``) hold the file, so its other threads wait.
 A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path and
 no unit copy either: kvoffload's ``HostDevice`` seals straight from the primary's rows
 into staging and opens straight back into them, so a unit is seal and file IO alone.
