@@ -1,20 +1,24 @@
 """``python -m kvsim calibrate BENCH.json -o hw.json``: an IO profile from kvoffload's bench.
 
-Two steps. The ceilings give the shape: the drive's queue-depth-1 time per IO
-(latency + size / rate, from the two IO sizes when there are two) and its best rate
-over queue depths (``raw direct-*``), one thread's page-cache read (``raw
-buffered-read`` at its highest queue depth, per thread), the pinned and batched copy
-rates (``pinned *``, ``seam *``) and host memory (``host memcpy``). Then one factor
-per path is fitted to kvoffload's own cases on the largest block layout, replayed
-through kvsim's tier code with the bench's jobs (all launched at once, as the bench
-does): the drive's read rate (O_DIRECT loads), its write rate (rewrites), the
-page-cache write rate (page-cache rewrites) and the host-memory bound (page-cache
-warm loads). A factor is needed because the raw ceilings are timed over short
-windows and a virtual disk swings more than that between windows
-(docs/performance.md). Everything else is predicted, not fitted: the other layouts,
-page-cache cold loads, striping over several paths. First stores into a fresh file
-(``store``: ext4 converts unwritten extents) are listed but kvsim does not model
-them (it models slots being reused: ``rewrite``).
+Two steps. The ceilings give the shape, where the bench has two block sizes as a
+fixed cost per IO plus one per byte: the drive's time for an IO alone (``raw
+direct-*`` at queue depth 1) and busy (at its best queue depth: small IOs are capped
+per IO, not per byte), one thread's page-cache read (``raw buffered-read`` at its
+highest queue depth), the pinned and batched copies (``pinned *``; ``seam *``, per
+row and per byte), sealing (``seal * 1 thread``), host memory (``host memcpy``),
+the serialised Python cost per IO of the raw page-cache reads (the shape of
+kvoffload's per-slot CPU) and what a first write into a fresh slot file adds per
+slot (the single-file ``store`` against the ``rewrite`` of the same run: ext4
+converts the fallocated extent; a buffered first write allocates its pages).
+Then one factor per path is fitted, replaying kvoffload's own cases through kvsim's
+tier code with the bench's jobs (all launched at once, as the bench does): on the
+largest layout the drive's read rate (O_DIRECT loads), its write rate (rewrites),
+the page-cache write rate (page-cache rewrites), the host-memory bound (page-cache
+warm loads) and the first writes (stores), and the per-slot CPU on a smaller
+layout's page-cache warm loads. A factor is needed because the raw ceilings are
+timed over short windows and a virtual disk swings more than that between windows
+(docs/performance.md). Everything else is predicted, not fitted: the other cases of
+the smaller layout, page-cache cold loads, striping over several paths.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from typing import Any, Optional
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.hardware import Hardware
 from kvsim.offload import OffloadTier
-from kvsim.profile import HOST_PASSES, DiskDirection, GiB, IoProfile
+from kvsim.profile import HOST_PASSES, DiskDirection, GiB, IoCost, IoProfile
 from kvsim.tiers import KVOFFLOAD, TierSpec
 
 # One thread sealing a slot, measured on the 2-core dev VM (shared notes
 # measured-2026-12.md: cryptography 50 AES-128-GCM 9.4 GiB/s per thread; README:
-# xxh3_64 44 GiB/s). The bench has no case that times sealing alone.
+# xxh3_64 44 GiB/s): for a bench run without its seal cases (``--only seal``).
 SEAL_GIB_S = {"aes-gcm": 9.4, "xxh3": 44.0}
 COPY_CALL_US = 7.0  # notes §4.3, when the bench has one block size only
 # kvsim's claim for the bench's own jobs (docs/kvsim.md, tests/test_kvsim_calibrate.py).
@@ -89,26 +93,88 @@ def _layouts(bench: dict) -> dict[str, int]:
     return {name: int(v["block_bytes"]) for name, v in layouts.items()}
 
 
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Seconds per IO as (fixed, per byte), through the smallest and largest of
+    ``(bytes, seconds)`` points; through zero with one size, or when the smaller IO
+    costs no less, and the fixed part is never below zero."""
+    points = sorted(points)
+    (b0, t0), (b1, t1) = points[0], points[-1]
+    if b1 > b0 and t1 > t0:
+        per_byte = (t1 - t0) / (b1 - b0)
+        return max(0.0, t0 - b0 * per_byte), per_byte
+    return 0.0, t1 / b1
+
+
 def _direction(cases: dict[str, dict], layouts: dict[str, int], kind: str) -> DiskDirection:
-    """Queue-depth-1 latency and rate from the raw ceilings of up to two IO sizes; best rate of the largest."""
-    points = []
+    """An IO alone (latency + size / rate) from the raw ceilings' queue-depth-1 rates, and
+    the drive busy (per IO + size / best rate) from their best rates, at up to two IO sizes."""
+    alone, busy = [], []
     for name in layouts:
         c = cases.get(f"{name} raw direct-{kind}")
         if c is not None:
             io = c["detail"]["io_bytes"]
-            points.append((io, io / (c["detail"]["by_qd"]["1"] * GiB)))  # (bytes, seconds per IO at qd 1)
-    if not points:
+            alone.append((io, io / (c["detail"]["by_qd"]["1"] * GiB)))
+            # The best of the sweep's short windows and the longer one at its best depth:
+            # the virtual disk drifts between them, and a drive is never slower busy than alone.
+            best = max(c["gib_s_best"], *c["detail"]["by_qd"].values())
+            busy.append((io, io / (best * GiB)))
+    if not alone:
         raise BenchError(f"the bench has no 'raw direct-{kind}' case")
-    points.sort()
-    (b0, t0), (b1, t1) = points[0], points[-1]
-    if b1 > b0 and t1 > t0:
-        per_byte = (t1 - t0) / (b1 - b0)
-        latency = max(0.0, t0 - b0 * per_byte)
-    else:
-        latency, per_byte = 0.0, t1 / b1
-    largest = max(layouts, key=layouts.get)
-    best = _need(cases, f"{largest} raw direct-{kind}")["gib_s_best"]
-    return DiskDirection(round(latency * 1e6, 3), round(1 / per_byte / GiB, 4), best)
+    latency, per_byte = _line(alone)
+    per_io, busy_per_byte = _line(busy)
+    return DiskDirection(round(latency * 1e6, 3), round(1 / per_byte / GiB, 4), round(1 / busy_per_byte / GiB, 4),
+                         round(per_io * 1e6, 3))
+
+
+def _raw_call_us(cases: dict[str, dict], layouts: dict[str, int]) -> Optional[float]:
+    """The serialised cost per IO of the raw page-cache reads (Python threads calling
+    ``preadv``: the wall time per IO at the highest queue depth, at two IO sizes)."""
+    points = []
+    for name in layouts:
+        c = cases.get(f"{name} raw buffered-read")
+        if c is not None:
+            qd = max(c["detail"]["by_qd"], key=int)
+            points.append((c["detail"]["io_bytes"], c["detail"]["io_bytes"] / (c["detail"]["by_qd"][qd] * GiB)))
+    if len({b for b, _ in points}) < 2:
+        return None
+    return round(_line(points)[0] * 1e6, 3)
+
+
+def _first_write(cases: list["Case"], mode_page_cache: bool) -> Optional[IoCost]:
+    """What a first write adds per slot, from the single-file ``store`` against ``rewrite``
+    of the same layout and mode (both seals averaged), at up to two slot sizes."""
+    extra: dict[int, list[float]] = {}
+    by_name = {c.name: c for c in cases}
+    for c in cases:
+        rewrite = by_name.get(c.name.removesuffix(" store") + " rewrite")
+        if c.first and c.paths == 1 and c.page_cache == mode_page_cache and rewrite is not None:
+            slot = slot_bytes_for(c.block_bytes, MIN_DIRECT_ALIGNMENT, c.page_cache)
+            extra.setdefault(slot, []).append(c.measured_s / c.num_blocks - rewrite.measured_s / rewrite.num_blocks)
+    points = [(b, max(0.0, sum(v) / len(v))) for b, v in extra.items()]
+    if not points:
+        return None
+    fixed, per_byte = _line(points)
+    return IoCost(round(fixed * 1e6, 3), round(per_byte * (1 << 20) * 1e6, 3))
+
+
+def _measured_or_base(notes: list[str], fields: tuple[str, ...], measured: Optional[tuple], how: str,
+                      base: Optional[IoProfile], prior: tuple, prior_how: str) -> tuple:
+    """``fields``' values as measured (noted as ``how``), else a base profile's, else ``prior``."""
+    names = ", ".join(fields)
+    if measured is not None:
+        notes.append(f"{names}: {how}")
+        return measured
+    if base is not None:
+        notes.append(f"{names}: from profile {base.name} (this bench does not measure it)")
+        return tuple(getattr(base, f) for f in fields)
+    notes.append(f"{names}: prior: {prior_how}")
+    return prior
+
+
+def _per_size(cases: dict[str, dict], layouts: dict[str, int], case: str) -> list[tuple[int, float]]:
+    """(block bytes, seconds per block) of ``{layout} {case}`` for each layout the bench ran it on."""
+    return [(b, b / (cases[f"{name} {case}"]["gib_s_best"] * GiB)) for name, b in layouts.items()
+            if f"{name} {case}" in cases]
 
 
 def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = None) -> IoProfile:
@@ -119,45 +185,49 @@ def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = No
     layouts = _layouts(bench)
     big = max(layouts, key=layouts.get)
     sizes = ", ".join(f"{b:,} B" for b in sorted(layouts.values()))
-    notes = [f"disk_read, disk_write: queue-depth-1 latency and rate from the raw direct ceilings at {sizes}; "
-             f"best rate over queue depths of the {big} layout"]
+    notes = [f"disk_read, disk_write: an IO alone (latency, rate) from the raw direct ceilings at queue depth 1, "
+             f"the drive busy (per IO, best rate) from their best rates over queue depths, at {sizes}"]
     h2d, d2h = (_need(cases, f"{big} pinned {d}")["gib_s_best"] for d in ("h2d", "d2h"))
     notes.append(f"pcie_h2d_gib_s, pcie_d2h_gib_s: {big} pinned copy ceilings")
-    seam = {d: cases.get(f"{big} seam {d}", {}).get("gib_s_best") for d in ("h2d", "d2h")}
-    notes.append("seam_*: the seam cases" if all(seam.values()) else "seam_*: prior: the pinned copy rates")
     memcpy = _need(cases, f"{big} host memcpy")["gib_s_best"]
     host = round(memcpy * 2 / HOST_PASSES, 4)
     notes.append(f"host_io_gib_s: host memcpy {memcpy} x 2/{HOST_PASSES} (DRAM passes of a memcpy / of a file load)")
-    pc_read = host
     buffered = cases.get(f"{big} raw buffered-read")
+    pc_read = host
     if buffered is not None:
         qd = max(buffered["detail"]["by_qd"], key=int)
         pc_read = round(buffered["detail"]["by_qd"][qd] / int(qd), 4)
         notes.append(f"page_cache_read_gib_s: raw buffered-read at queue depth {qd}, per thread")
     else:
         notes.append("page_cache_read_gib_s: prior: host_io_gib_s (no buffered-read ceiling)")
-    call = COPY_CALL_US
-    small = min(layouts, key=layouts.get)
-    if small != big and f"{small} pinned h2d" in cases:
-        # Per copy: call + bytes / rate, at two block sizes.
-        t_small = layouts[small] / (cases[f"{small} pinned h2d"]["gib_s_best"] * GiB)
-        t_big = layouts[big] / (h2d * GiB)
-        rate = (layouts[big] - layouts[small]) / (t_big - t_small)
-        call = round(max(0.0, t_small - layouts[small] / rate) * 1e6, 3)
-        notes.append(f"copy_call_us: pinned h2d at {layouts[small]:,} and {layouts[big]:,} B per copy")
-    elif base is not None:
-        call = base.copy_call_us
-        notes.append(f"copy_call_us: from profile {base.name} (this bench has one block size)")
-    else:
-        notes.append(f"copy_call_us: prior: {COPY_CALL_US} us (simulation notes 4.3)")
-    notes.append("seal_gib_s: prior: one thread on the 2-core dev VM (AES-GCM: cryptography 50; xxh3_64)")
+    pinned = _per_size(cases, layouts, "pinned h2d")
+    (call,) = _measured_or_base(
+        notes, ("copy_call_us",), (round(_line(pinned)[0] * 1e6, 3),) if len(pinned) > 1 else None,
+        f"pinned h2d per copy at {sizes}", base, (COPY_CALL_US,), f"{COPY_CALL_US} us (simulation notes 4.3)")
+    seam = []
+    for d, pinned_rate in (("h2d", h2d), ("d2h", d2h)):
+        points = _per_size(cases, layouts, f"seam {d}")
+        row, per_byte = _line(points) if points else (0.0, 0.0)
+        seam += _measured_or_base(
+            notes, (f"seam_{d}_gib_s", f"seam_{d}_row_us"),
+            (round(1 / per_byte / GiB, 4), round(row * 1e6, 3)) if points else None,
+            f"the seam cases at {', '.join(f'{b:,} B' for b, _ in sorted(points))} (per row and per byte)", base,
+            (pinned_rate, 0.0), "the pinned copy rate, nothing per row")
+    sealed = {k: cases[f"seal {k} 1 thread"]["gib_s_best"] for k in SEAL_GIB_S if f"seal {k} 1 thread" in cases}
+    (seal,) = _measured_or_base(notes, ("seal_gib_s",), (sealed,) if len(sealed) == len(SEAL_GIB_S) else None,
+                                "the seal cases, 1 thread", base, (dict(SEAL_GIB_S),),
+                                "one thread on the 2-core dev VM (AES-GCM: cryptography 50; xxh3_64)")
+    raw_call = _raw_call_us(cases, layouts)
+    (slot_cpu,) = _measured_or_base(notes, ("slot_cpu_us",), (raw_call,) if raw_call is not None else None,
+                                    f"raw buffered-read per IO at {sizes} (Python threads taking turns)", base,
+                                    (0.0,), "0 (no buffered-read ceiling at two block sizes)")
     return IoProfile(
         name=name, source=source, drives=len(bench.get("machine", {}).get("dirs", [])) or 1, cpus=_cpus(bench),
         disk_read=_direction(cases, layouts, "read"), disk_write=_direction(cases, layouts, "write"),
         page_cache_read_gib_s=pc_read, page_cache_write_gib_s=pc_read,
         host_io_gib_s=host, pcie_h2d_gib_s=h2d, pcie_d2h_gib_s=d2h, copy_call_us=call,
-        seam_h2d_gib_s=seam["h2d"] or h2d, seam_d2h_gib_s=seam["d2h"] or d2h, seal_gib_s=dict(SEAL_GIB_S),
-        notes=notes,
+        seam_h2d_gib_s=seam[0], seam_h2d_row_us=seam[1], seam_d2h_gib_s=seam[2], seam_d2h_row_us=seam[3],
+        seal_gib_s=seal, slot_cpu_us=slot_cpu, notes=notes,
     )
 
 
@@ -172,6 +242,7 @@ class Case:
     num_blocks: int
     job_blocks: int
     is_store: bool
+    first: bool  # a store into a fresh slot file: every write is a slot's first
     page_cache: bool
     warm: bool  # page cache: every slot resident
     seal: str
@@ -179,13 +250,26 @@ class Case:
     drives: int
     threads: Optional[int]  # per lane; None: kvoffload's rule from the host's cores
     unit_bytes: int
-    role: str  # which factor it fits ("read", "write", ...), "predicted", or "first-store"
+    role: str  # which factor it fits ("read", "write", ...) or "predicted"
+
+
+def _role(op: str, mode: str, layout: str, layouts: dict[str, int], group: str) -> str:
+    """Which factor a case fits: kvoffload's cases on one file of the largest layout fit
+    the drive, the page cache and host memory; the page-cache warm loads of a smaller
+    layout fit the per-slot CPU; everything else is predicted."""
+    if group != "disk":
+        return "predicted"
+    if layout != max(layouts, key=layouts.get):
+        return "slot cpu" if mode == "pagecache" and op == "warm-load" else "predicted"
+    if mode == "direct":
+        return {"store": "first write", "rewrite": "write"}.get(op, "read")
+    return {"store": "page-cache first write", "rewrite": "page-cache write", "warm-load": "host memory"}.get(
+        op, "predicted")
 
 
 def bench_cases(bench: dict) -> list[Case]:
     """kvoffload's store and load cases of a bench run, with what kvsim needs to replay them."""
     layouts = _layouts(bench)
-    big = max(layouts, key=layouts.get)
     cfg = bench["config"]
     threads, unit, _ = _pipeline(bench)
     out = []
@@ -199,19 +283,11 @@ def bench_cases(bench: dict) -> list[Case]:
         if c["group"] == "stripe" and " dirs " in name:
             drives = d["paths"]
         block = layouts[layout]
-        fit = c["group"] == "disk" and layout == big
-        if op == "store":
-            role = "first-store"
-        elif not fit or (mode == "pagecache" and op == "cold-load"):
-            role = "predicted"
-        elif mode == "direct":
-            role = "write" if op == "rewrite" else "read"
-        else:
-            role = "page-cache write" if op == "rewrite" else "host memory"
         out.append(Case(name, c["bytes"] / (c["gib_s_best"] * GiB), block, c["bytes"] // block,
-                        max(1, cfg["job_bytes"] // block), op in ("store", "rewrite"), mode == "pagecache",
-                        mode == "pagecache" and op == "warm-load", d["seal"], d.get("paths", 1), drives,
-                        d.get("io_threads", threads), d.get("io_unit_bytes", unit or KVOFFLOAD.unit_bytes), role))
+                        max(1, cfg["job_bytes"] // block), op in ("store", "rewrite"), op == "store",
+                        mode == "pagecache", mode == "pagecache" and op == "warm-load", d["seal"], d.get("paths", 1),
+                        drives, d.get("io_threads", threads), d.get("io_unit_bytes", unit or KVOFFLOAD.unit_bytes),
+                        _role(op, mode, layout, layouts, c["group"])))
     if not out:
         raise BenchError("the bench has no kvoffload store or load case (group 'disk')")
     return out
@@ -227,7 +303,7 @@ def predict_s(case: Case, profile: IoProfile) -> float:
     done = 0
     for start in range(0, case.num_blocks, case.job_blocks):
         n = min(case.job_blocks, case.num_blocks - start)
-        done = max(done, tier.submit_job(0, n, case.is_store, n if case.warm else 0))
+        done = max(done, tier.submit_job(0, n, case.is_store, n if case.warm else 0, n if case.first else 0))
     return done / 1e9
 
 
@@ -235,18 +311,30 @@ def _error(case: Case, profile: IoProfile) -> float:
     return predict_s(case, profile) / case.measured_s - 1
 
 
-# Each fitted factor: the cases it fits to, and how it changes the profile.
-_FACTORS: dict[str, Callable[[IoProfile, float], IoProfile]] = {
-    "read": lambda p, f: dataclasses.replace(p, disk_read=_scaled(p.disk_read, f)),
-    "write": lambda p, f: dataclasses.replace(p, disk_write=_scaled(p.disk_write, f)),
-    "host memory": lambda p, f: dataclasses.replace(p, host_io_gib_s=round(p.host_io_gib_s * f, 4)),
-    "page-cache write": lambda p, f: dataclasses.replace(
-        p, page_cache_write_gib_s=round(p.page_cache_write_gib_s * f, 4)),
-}
-
-
 def _scaled(d: DiskDirection, f: float) -> DiskDirection:
-    return DiskDirection(d.latency_us, round(d.qd1_gib_s * f, 4), round(d.max_gib_s * f, 4))
+    """The drive ``f`` times as fast: its rates, not its per-IO times."""
+    return dataclasses.replace(d, qd1_gib_s=round(d.qd1_gib_s * f, 4), max_gib_s=round(d.max_gib_s * f, 4))
+
+
+def _times(c: IoCost, f: float) -> IoCost:
+    return IoCost(round(c.us * f, 3), round(c.us_per_mib * f, 3))
+
+
+# Each fitted factor, in the order they are fitted (per-slot CPU and host memory bound
+# the drives' cases too): the profile field it scales and how.
+_FACTORS: dict[str, tuple[str, Callable[[IoProfile, float], IoProfile]]] = {
+    "slot cpu": ("slot_cpu_us", lambda p, f: dataclasses.replace(p, slot_cpu_us=round(p.slot_cpu_us * f, 3))),
+    "host memory": ("host_io_gib_s", lambda p, f: dataclasses.replace(p, host_io_gib_s=round(p.host_io_gib_s * f, 4))),
+    "page-cache write": ("page_cache_write_gib_s", lambda p, f: dataclasses.replace(
+        p, page_cache_write_gib_s=round(p.page_cache_write_gib_s * f, 4))),
+    "read": ("disk_read", lambda p, f: dataclasses.replace(p, disk_read=_scaled(p.disk_read, f))),
+    "write": ("disk_write", lambda p, f: dataclasses.replace(p, disk_write=_scaled(p.disk_write, f))),
+    "first write": ("first_write", lambda p, f: dataclasses.replace(p, first_write=_times(p.first_write, f))),
+    "page-cache first write": ("first_write_page_cache", lambda p, f: dataclasses.replace(
+        p, first_write_page_cache=_times(p.first_write_page_cache, f))),
+}
+# What a bench without cases for a factor takes from a base profile of the same host.
+_FROM_BASE = ("page-cache write", "first write", "page-cache first write")
 
 
 def _fit_factor(profile: IoProfile, cases: list[Case], apply: Callable[[IoProfile, float], IoProfile]) -> float:
@@ -280,19 +368,24 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
     notes = list(profile.notes)
     notes.append(f"bench pipeline (from {where}): {threads or 'default'} IO threads per lane, "
                  f"{unit or KVOFFLOAD.unit_bytes:,}-byte units")
-    # Host memory first: its bound also caps the drives.
-    for role, field_names in (("host memory", "host_io_gib_s"), ("page-cache write", "page_cache_write_gib_s"),
-                              ("read", "disk_read"), ("write", "disk_write")):
+    for page_cache, field_name in ((False, "first_write"), (True, "first_write_page_cache")):
+        cost = _first_write(cases, page_cache)
+        if cost is not None:
+            profile = dataclasses.replace(profile, **{field_name: cost})
+            sizes = sorted({c.block_bytes for c in cases if c.first and c.page_cache == page_cache and c.paths == 1})
+            notes.append(f"{field_name}: single-file store minus rewrite per slot, both seals, at "
+                         + ", ".join(f"{b:,} B" for b in sizes))
+    for role, (field_name, apply) in _FACTORS.items():
         fit_on = [c for c in cases if c.role == role]
         if fit_on:
-            f = _fit_factor(profile, fit_on, _FACTORS[role])
-            profile = _FACTORS[role](profile, f)
-            notes.append(f"{field_names}: x{f:.3f}, fitted on " + ", ".join(c.name for c in fit_on))
-        elif role == "page-cache write" and base is not None:
-            profile = dataclasses.replace(profile, page_cache_write_gib_s=base.page_cache_write_gib_s)
-            notes.append(f"page_cache_write_gib_s: from profile {base.name} (this bench has no page-cache case)")
-        elif role == "page-cache write":
-            notes.append("page_cache_write_gib_s: prior: page_cache_read_gib_s (no page-cache case)")
+            f = _fit_factor(profile, fit_on, apply)
+            profile = apply(profile, f)
+            notes.append(f"{field_name}: x{f:.3f}, fitted on " + ", ".join(c.name for c in fit_on))
+        elif role in _FROM_BASE and base is not None:
+            profile = dataclasses.replace(profile, **{field_name: getattr(base, field_name)})
+            notes.append(f"{field_name}: from profile {base.name} (this bench has no case for it)")
+        elif role in _FROM_BASE:
+            notes.append(f"{field_name}: not fitted (this bench has no case for it)")
     rows = [{"case": c.name, "role": c.role, "measured_s": round(c.measured_s, 4),
              "predicted_s": round(predict_s(c, profile), 4), "error": round(_error(c, profile), 4)}
             for c in cases]
@@ -301,11 +394,11 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
 
 def fidelity_table(profile: IoProfile) -> str:
     """The fidelity rows; ``!`` marks an error beyond ``TOLERANCE``."""
-    head = f"{'bench case':<42} {'role':<17} {'measured s':>10} {'kvsim s':>9} {'error':>7}"
+    head = f"{'bench case':<42} {'role':<22} {'measured s':>10} {'kvsim s':>9} {'error':>7}"
     lines = [head, "-" * len(head)]
     for r in profile.fidelity:
         mark = " !" if abs(r["error"]) > TOLERANCE else ""
-        lines.append(f"{r['case']:<42} {r['role']:<17} {r['measured_s']:>10.3f} {r['predicted_s']:>9.3f} "
+        lines.append(f"{r['case']:<42} {r['role']:<22} {r['measured_s']:>10.3f} {r['predicted_s']:>9.3f} "
                      f"{r['error']:>+7.1%}{mark}")
     lines.append(f"! = more than {TOLERANCE:.0%} off (docs/kvsim.md says which cases, and why)")
     return "\n".join(lines)

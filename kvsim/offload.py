@@ -76,6 +76,10 @@ class OffloadTier:
             drives = self.xfer.drives * bytes_per_ns(profile.disk_write.max_gib_s)
             self._writeback = WriteBack(min(drives, bytes_per_ns(profile.host_io_gib_s)),
                                         hw.dirty_ratio * hw.host_free_bytes)
+        # Pool slots written since the slot file was created: a slot's first write costs
+        # more (profile.first_write). One byte per pool slot, and the pool is no larger
+        # than the units the replay can offer.
+        self._written = bytearray(self.pool.num_slots if disk else 0)
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.disk_bytes_read = 0
@@ -84,6 +88,7 @@ class OffloadTier:
 
     def _submit(self, station: IoStation, now: int, num_blocks: int, hits: int, is_store: bool) -> int:
         """Queue a job on ``station`` unit by unit; return when its last unit is done.
+        ``hits``: a load's blocks in the page cache; a store's first writes into their slots.
 
         Units go to whichever thread frees first, as kvoffload's lanes hand them out,
         so one job spreads over the threads and a later short job can finish first.
@@ -98,15 +103,16 @@ class OffloadTier:
         for n, count in ((rows, full), (rest, 1 if rest else 0)):
             if not count:
                 continue
-            h = hits * n // num_blocks  # page-cache hits spread evenly over the units
-            busy, span = self.xfer.store_unit(n, k) if is_store else self.xfer.load_unit(n, h, k)
+            h = hits * n // num_blocks  # spread evenly over the units
+            busy, span = self.xfer.store_unit(n, k, h) if is_store else self.xfer.load_unit(n, h, k)
             done = max(done, station.submit(now, busy, count) + span)
         return done
 
-    def submit_job(self, now: int, num_blocks: int, is_store: bool, resident: int = 0) -> int:
-        """Queue a store or load of ``num_blocks`` (``resident`` of them in the page cache);
-        return when it is done. The replay's jobs and calibration's bench jobs both come here."""
-        return self._submit(self.stations[is_store], now, num_blocks, resident, is_store)
+    def submit_job(self, now: int, num_blocks: int, is_store: bool, resident: int = 0, fresh: int = 0) -> int:
+        """Queue a store or load of ``num_blocks`` (a load: ``resident`` of them in the page
+        cache; a store: ``fresh`` of them first writes into their slots); return when it is
+        done. The replay's jobs and calibration's bench jobs both come here."""
+        return self._submit(self.stations[is_store], now, num_blocks, fresh if is_store else resident, is_store)
 
     def transfer_ns(self, now: int, slots: Sequence[int], weights: Sequence[int]) -> int:
         """Duration from now until a load of ``slots`` submitted now would finish."""
@@ -176,7 +182,15 @@ class OffloadTier:
 
     def store_slots(self, now: int, granted: list[tuple[int, int]], num_blocks: int, payload: Any = None) -> None:
         """Store units ``granted`` (``(key, slot)``s from ``pool.prepare_store``) of ``num_blocks``."""
-        done = self.submit_job(now, num_blocks, True)
+        fresh = 0
+        if self.pipe is not None:
+            written = self._written
+            for _, s in granted:
+                if not written[s]:
+                    written[s] = 1
+                    fresh += 1
+            fresh = num_blocks * fresh // len(granted)  # first writes spread evenly over the job's blocks
+        done = self.submit_job(now, num_blocks, True, fresh=fresh)
         if self.page_cache is not None:
             self.page_cache.touch([s for _, s in granted])
             # Buffered writes return once copied unless the dirty backlog is over the limit.

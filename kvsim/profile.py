@@ -35,17 +35,36 @@ class DiskDirection:
     """One direction of one drive under O_DIRECT.
 
     An IO of ``b`` bytes alone takes ``latency_us + b / qd1_gib_s``; ``d`` IOs in
-    flight overlap up to the drive's best rate: ``min(max_gib_s, d * b / t(b))``.
+    flight overlap until the drive is busy all the time, each IO then holding it for
+    ``io_us + b / max_gib_s`` (``io_us``: what every IO costs however deep the queue,
+    which caps small IOs at a rate per IO rather than per byte):
+    ``min(b / (io_us + b / max_gib_s), d * b / t(b))``.
     """
 
     latency_us: float
     qd1_gib_s: float
     max_gib_s: float
+    io_us: float = 0.0
+
+    def busy_ns(self, io_bytes: int) -> float:
+        """How long an IO holds the busy drive."""
+        return self.io_us * 1e3 + io_bytes / bytes_per_ns(self.max_gib_s)
 
     def rate(self, io_bytes: int, depth: float) -> float:
         """Bytes per ns of the drive with ``depth`` IOs of ``io_bytes`` in flight."""
         one = self.latency_us * 1e3 + io_bytes / bytes_per_ns(self.qd1_gib_s)
-        return min(bytes_per_ns(self.max_gib_s), depth * io_bytes / one)
+        return min(io_bytes / self.busy_ns(io_bytes), depth * io_bytes / one)
+
+
+@dataclass(frozen=True)
+class IoCost:
+    """A cost per IO of ``b`` bytes: ``us + b / MiB * us_per_mib`` microseconds."""
+
+    us: float = 0.0
+    us_per_mib: float = 0.0
+
+    def ns(self, nbytes: int) -> float:
+        return self.us * 1e3 + nbytes * self.us_per_mib * 1e3 / (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -71,8 +90,20 @@ class IoProfile:
     # kvoffload's batched unit copies from all its IO threads together.
     seam_h2d_gib_s: float
     seam_d2h_gib_s: float
+    # And per row of such a copy (a descriptor of the batch), on top of its bytes.
+    seam_h2d_row_us: float = 0.0
+    seam_d2h_row_us: float = 0.0
     # One thread sealing (encrypting or checksumming) or opening a slot.
     seal_gib_s: dict[str, float] = field(default_factory=dict)
+    # CPU time kvoffload's IO threads spend per slot holding the GIL (the Python loop,
+    # the syscall wrappers, the seal's call): the threads of a direction take turns.
+    slot_cpu_us: float = 0.0
+    # A slot's first write into a fresh slot file, on top of the write: ext4 converts
+    # the fallocated (unwritten) extent, under the inode's lock, so the other threads
+    # of that file wait (O_DIRECT); a buffered first write allocates its page-cache
+    # pages (the rewrite finds them resident).
+    first_write: IoCost = field(default_factory=IoCost)
+    first_write_page_cache: IoCost = field(default_factory=IoCost)
     # Where each figure came from, and per bench case its measured and predicted
     # seconds (calibrate.py): for the record.
     notes: list[str] = field(default_factory=list)
@@ -82,14 +113,19 @@ class IoProfile:
         rates = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name.endswith("_gib_s") and f.name != "seal_gib_s"}
         for d in ("disk_read", "disk_write"):
-            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items() if k != "latency_us"})
+            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items()
+                          if k.endswith("_gib_s")})
         rates.update({f"seal_gib_s.{k}": v for k, v in self.seal_gib_s.items()})
         for name, v in rates.items():
             if not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
         for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
-                        ("disk_read.latency_us", self.disk_read.latency_us),
-                        ("disk_write.latency_us", self.disk_write.latency_us)):
+                        ("seam_h2d_row_us", self.seam_h2d_row_us), ("seam_d2h_row_us", self.seam_d2h_row_us),
+                        ("slot_cpu_us", self.slot_cpu_us),
+                        *((f"{d}.{k}", getattr(getattr(self, d), k)) for d in ("disk_read", "disk_write")
+                          for k in ("latency_us", "io_us")),
+                        *((f"{c}.{k}", getattr(getattr(self, c), k)) for c in ("first_write", "first_write_page_cache")
+                          for k in ("us", "us_per_mib"))):
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
         for name, v in (("drives", self.drives), ("cpus", self.cpus)):
@@ -116,12 +152,30 @@ class IoProfile:
         if missing := sorted(required - set(doc)):
             raise ValueError(f"{where}: profile lacks {', '.join(missing)}")
         kw = dict(doc)
+        for key, part in _PARTS.items():
+            if key in kw:
+                kw[key] = _part(part, kw[key], f"{where}: {key}")
         try:
-            for d in ("disk_read", "disk_write"):
-                kw[d] = DiskDirection(**kw[d])
             return cls(**kw)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
+
+
+# The profile's keys that are objects of their own.
+_PARTS = {"disk_read": DiskDirection, "disk_write": DiskDirection, "first_write": IoCost,
+          "first_write_page_cache": IoCost}
+
+
+def _part(cls: type, doc: Any, where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where} must be an object with {', '.join(sorted(names))}")
+    if unknown := sorted(set(doc) - names):
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    try:
+        return cls(**doc)
+    except TypeError as e:  # a required key missing
+        raise ValueError(f"{where}: {e}") from None
 
 
 def load_profile(name_or_path: str) -> IoProfile:

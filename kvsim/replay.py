@@ -169,7 +169,8 @@ def _add_io(out: dict, tier: Tier, profile: IoProfile, end_ns: int) -> None:
         return
     for key, nbytes, d in (("disk_read_util", tier.disk_bytes_read, profile.disk_read),
                            ("disk_write_util", tier.disk_bytes_written(), profile.disk_write)):
-        out[key] = round(nbytes / (x.drives * bytes_per_ns(d.max_gib_s)) / span, 4)
+        ios = nbytes / x.block_bytes  # one IO per slot
+        out[key] = round(ios * d.busy_ns(x.slot_bytes) / x.drives / span, 4)
     busy = {}
     for name, station in (("load", tier.stations[False]), ("store", tier.stations[True])):
         per = [b / span for b in station.busy_ns]

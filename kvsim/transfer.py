@@ -5,8 +5,10 @@ same direction are busy. The threads share the drives (``k`` IOs of ``ios_per_th
 each, spread over the drives the slot files sit on), host memory (every byte of file
 IO crosses DRAM several times: ``host_io_gib_s`` for all threads together) and the
 PCIe link (kvoffload's batched copies: ``seam_*``; vLLM's per-block copies and the
-DRAM tier: one stream of pinned copies, ``pcie_*``). An idle device is not split:
-one busy thread gets the whole drive, up to what one thread's queue depth reaches.
+DRAM tier: one stream of pinned copies, ``pcie_*``) and, for kvoffload's threads, the
+GIL (``slot_cpu_us`` per slot). An idle device is not split: one busy thread gets the
+whole drive, up to what one thread's queue depth reaches. A store's first writes into
+slots of a fresh file (``first_write``) hold the file, so its other threads wait.
 A secondary tier under vLLM's CPU primary (``host_device``) has no GPU on its path and
 no unit copy either: kvoffload's ``HostDevice`` seals straight from the primary's rows
 into staging and opens straight back into them, so a unit is seal and file IO alone.
@@ -27,6 +29,7 @@ class TransferModel:
         self.profile, self.pipe = p, pipe
         self.block_bytes, self.slot_bytes = block_bytes, slot_bytes
         self._call = p.copy_call_us * 1e3
+        self._row = {True: p.seam_h2d_row_us * 1e3, False: p.seam_d2h_row_us * 1e3}
         self._pcie = {True: bytes_per_ns(p.pcie_h2d_gib_s), False: bytes_per_ns(p.pcie_d2h_gib_s)}
         self._seam = {True: bytes_per_ns(p.seam_h2d_gib_s), False: bytes_per_ns(p.seam_d2h_gib_s)}
         self.host_device = host_device
@@ -40,6 +43,10 @@ class TransferModel:
         self.threads = per_lane * self.paths  # per direction: a lane of threads per slot file
         self._seal = block_bytes * p.seal_ns_per_byte(pipe.seal)
         self.rows = max(1, pipe.unit_bytes // slot_bytes) if pipe.unit_bytes else 0
+        # kvoffload's per-slot CPU was measured on its own code; vLLM's backend is not.
+        self._cpu = p.slot_cpu_us * 1e3 if self.rows else 0.0
+        first = p.first_write_page_cache if pipe.page_cache else p.first_write
+        self._first = first.ns(slot_bytes)
 
     # -- per block, one of k busy threads -------------------------------------------
 
@@ -54,6 +61,15 @@ class TransferModel:
         pass through DRAM (IO, staging, seal, copy) of all threads shares host memory,
         so the bound is on the whole unit, not on one of its stages."""
         return rows * self.slot_bytes * k / self._host
+
+    def _cpu_ns(self, rows: int, k: int) -> float:
+        """The least time ``rows`` slots take on one of k threads that take turns on the GIL."""
+        return rows * k * self._cpu
+
+    def first_write_ns(self, fresh: int, k: int) -> float:
+        """What ``fresh`` first writes into the slot file add to a unit on one of k threads:
+        each holds its file, so a file's threads (k / paths) wait for each other's."""
+        return fresh * self._first * max(1.0, k / self.paths) if fresh else 0.0
 
     def page_cache_ns(self, k: int, write: bool) -> float:
         """A buffered copy of one slot out of (into) the page cache."""
@@ -73,17 +89,20 @@ class TransferModel:
         """kvoffload's batched copy of a unit, its threads sharing the link (none on a host device)."""
         if self.host_device:
             return 0.0
-        return self._call + rows * self.block_bytes * k / self._seam[to_device]
+        return self._call + rows * k * (self._row[to_device] + self.block_bytes / self._seam[to_device])
 
     # -- units --------------------------------------------------------------------
 
-    def store_unit(self, rows: int, k: int) -> tuple[int, int]:
-        """(thread busy, done after start) of a store unit of ``rows`` blocks."""
+    def store_unit(self, rows: int, k: int, fresh: int = 0) -> tuple[int, int]:
+        """(thread busy, done after start) of a store unit of ``rows`` blocks, ``fresh``
+        of them first writes into their slots."""
         if self.rows:  # kvoffload: copy the unit, then seal and write each slot
-            t = self.unit_copy_ns(rows, k, False) + rows * (self._seal + self.io_ns(k, True))
-            t = max(t, self._host_ns(rows, k))
+            t = self.unit_copy_ns(rows, k, False) + rows * (self._cpu + self._seal + self.io_ns(k, True))
+            t = max(t, self._host_ns(rows, k), self._cpu_ns(rows, k)) + self.first_write_ns(fresh, k)
             return round(t), round(t)
-        return self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False), k)
+        busy, _ = self._pipelined(rows, 0, self.io_ns(k, True), 0.0, self.copy_ns(1, False), k)
+        t = busy + round(self.first_write_ns(fresh, k))
+        return t, t
 
     def load_unit(self, rows: int, hits: int, k: int) -> tuple[int, int]:
         """(thread busy, done after start) of a load unit; ``hits`` rows are in the page cache."""
@@ -93,9 +112,9 @@ class TransferModel:
         if self.rows:
             # Read and open the unit, then copy it to the GPU while the thread reads
             # its next unit: the thread is held for the longer of the two.
-            read = hits * (hit + self._seal) + (rows - hits) * (miss + self._seal)
+            read = hits * (hit + self._seal) + (rows - hits) * (miss + self._seal) + rows * self._cpu
             copy = self.unit_copy_ns(rows, k, True)
-            read = max(read, self._host_ns(rows, k))
+            read = max(read, self._host_ns(rows, k), self._cpu_ns(rows, k))
             return round(max(read, copy)), round(read + copy)
         return self._pipelined(rows, hits, miss, hit, self.copy_ns(1, True), k)
 

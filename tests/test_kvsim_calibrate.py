@@ -35,18 +35,66 @@ def test_shipped_profiles_are_what_calibration_gives(name):
     assert fitted.to_json() == load_profile(name).to_json()
 
 
+# The rows kvsim still misses by more than TOLERANCE, with the looser bound each is held
+# to; docs/kvsim.md ("Fidelity") gives the measured cause of each.
+KNOWN_MISSES = {
+    "h200-disk": {
+        # 64 KiB, O_DIRECT, aes-gcm: 17-27 us per slot slower than xxh3 on the same drive,
+        # where the page cache shows 4-6 us between the two seals.
+        "small direct aes-gcm store": 0.30,
+        "small direct aes-gcm rewrite": 0.35,
+        "small direct aes-gcm cold-load": 0.30,
+        "small direct aes-gcm warm-load": 0.30,
+        # 64 KiB, O_DIRECT, xxh3: the copy and the per-slot CPU overlap the drive more than
+        # kvsim's per-thread sum of them allows.
+        "small direct xxh3 store": 0.15,
+        "small direct xxh3 rewrite": 0.15,
+        # 64 KiB, page cache, aes-gcm: 6 us per slot above xxh3; one per-slot CPU bounds both.
+        "small pagecache aes-gcm rewrite": 0.20,
+    },
+    "h200-array": {},
+}
+
+
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_kvsim_predicts_the_bench_jobs_within_ten_percent(name):
-    # Goal: the fidelity claim. Every kvoffload case of the 2 MiB layout (the block of
-    # kvsim's default model) other than a first store into a fresh file: kvsim's time
-    # for the bench's own jobs, all launched at once, within 10% of what the bench
-    # measured on the H200, the predicted cases (striping, page-cache cold loads) too.
+    # Goal: the fidelity claim. Every kvoffload case of both block layouts, first stores
+    # into a fresh file included: kvsim's time for the bench's own jobs, all launched at
+    # once, within 10% of what the bench measured on the H200, the predicted cases
+    # (64 KiB blocks, striping, page-cache cold loads) too; the known misses within
+    # their own bound, and still misses (fixed ones leave the list).
+    bench = load_bench(str(_recorded(name)))
     profile = load_profile(name)
-    rows = [r for r in profile.fidelity if r["case"].startswith("llama ") and r["role"] != "first-store"]
-    assert len(rows) >= 10
-    for r in rows:
-        assert abs(r["error"]) <= TOLERANCE, r
-    assert [r for r in rows if r["role"] == "predicted"]  # not only the cases the factors were fitted on
+    rows = {r["case"]: r for r in profile.fidelity}
+    kvoffload_cases = {c["case"] for c in bench["cases"] if c["group"] in ("disk", "stripe")}
+    assert set(rows) == kvoffload_cases and {c.split()[0] for c in rows} == set(bench["config"]["layouts"])
+    misses = KNOWN_MISSES[name]
+    assert set(misses) <= set(rows)
+    for case, r in rows.items():
+        if case in misses:
+            assert TOLERANCE < abs(r["error"]) <= misses[case], r
+        else:
+            assert abs(r["error"]) <= TOLERANCE, r
+    assert [r for r in rows.values() if r["role"] == "predicted" and r["case"] not in misses]
+    assert len([r for r in rows.values() if r["case"].endswith(" store") and r["case"] not in misses]) >= 4
+
+
+def test_first_writes_and_small_blocks_are_fitted_from_the_bench_not_assumed():
+    # Goal: the mechanisms behind the store and 64 KiB rows come from what the bench
+    # measured: first writes from store against rewrite (a fixed and a per-byte part
+    # from the two block sizes), the drive's cost per IO from its raw ceilings at both
+    # sizes, the seam's cost per row, the per-slot CPU; a bench of one layout gets
+    # what it cannot measure from the base profile of the same host.
+    disk, array = load_profile("h200-disk"), load_profile("h200-array")
+    assert disk.first_write.us > 0 and disk.first_write.us_per_mib > 0
+    assert disk.first_write_page_cache.us_per_mib > 0
+    assert disk.disk_read.io_us > 0 and disk.disk_write.io_us > 0
+    assert disk.seam_h2d_row_us > 0 and disk.seam_d2h_row_us > 0 and disk.slot_cpu_us > 0
+    assert array.first_write.us_per_mib > disk.first_write.us_per_mib  # the RAM drives' first writes cost more
+    assert array.slot_cpu_us == disk.slot_cpu_us and array.first_write_page_cache == disk.first_write_page_cache
+    fitted = {r["case"]: r["role"] for r in disk.fidelity}
+    assert fitted["llama direct xxh3 store"] == "first write" and fitted["small direct xxh3 store"] == "predicted"
+    assert fitted["small pagecache xxh3 warm-load"] == "slot cpu"
 
 
 @pytest.mark.parametrize("cpus", [2, 16, 64])
@@ -97,6 +145,10 @@ def test_a_bench_without_what_calibration_needs_is_a_clear_error(tmp_path):
     (lambda d: d.update(seal_gib_s={"aes-gcm": 9.0}), r"seal_gib_s lacks xxh3"),
     (lambda d: d.update(turbo=True), r"unknown profile key\(s\) turbo"),
     (lambda d: d.pop("pcie_h2d_gib_s"), r"profile lacks pcie_h2d_gib_s"),
+    (lambda d: d.update(disk_write={**d["disk_write"], "io_us": -1}), r"disk_write.io_us must be a number >= 0"),
+    (lambda d: d.update(first_write={"us": 1, "us_per_mb": 2}), r"first_write: unknown key\(s\) us_per_mb"),
+    (lambda d: d.update(first_write_page_cache=3), r"first_write_page_cache must be an object with us, us_per_mib"),
+    (lambda d: d.update(slot_cpu_us=-0.5), r"slot_cpu_us must be a number >= 0, got -0.5"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, edit, match):
     doc = json.loads((PROFILE_DIR / "h200_disk.json").read_text())
@@ -106,3 +158,15 @@ def test_a_bad_profile_names_the_field(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_profile(str(p))
     assert isinstance(load_profile("h200-disk"), IoProfile)
+
+
+def test_a_profile_from_before_the_per_io_costs_still_loads_without_them(tmp_path):
+    doc = json.loads((PROFILE_DIR / "h200_disk.json").read_text())
+    for key in ("seam_h2d_row_us", "seam_d2h_row_us", "slot_cpu_us", "first_write", "first_write_page_cache"):
+        doc.pop(key)
+    for d in ("disk_read", "disk_write"):
+        doc[d].pop("io_us")
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(doc))
+    old = load_profile(str(p))
+    assert old.slot_cpu_us == 0 and old.first_write.ns(1 << 21) == 0 and old.disk_read.io_us == 0

@@ -18,7 +18,7 @@ from kvsim.hitrate import lru_hit_rate
 from kvsim.io import IoStation
 from kvsim.models import get_model
 from kvsim.offload import OffloadTier
-from kvsim.profile import DiskDirection, load_profile
+from kvsim.profile import DiskDirection, IoCost, load_profile
 from kvsim.replay import ReplayConfig, build, replay
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceRequest, read_trace
@@ -139,6 +139,43 @@ def test_a_page_cache_hit_is_faster_than_the_drive_and_sealing_costs_time():
     tier = _tier("disk:4GiB:pagecache")
     assert tier.submit_job(0, 64, False, resident=64) < tier.submit_job(10**12, 64, False) - 10**12
     assert _lone_load_ns("disk:4GiB:seal=aes-gcm") > _lone_load_ns("disk:4GiB:seal=off")
+
+
+def _store_ns(tier: OffloadTier, keys: list[int], now: int) -> int:
+    """Store ``keys`` (one block each) through the pool, as the engine does; return how long it took."""
+    granted = tier.pool.prepare_store(keys)
+    tier.store_slots(now, granted, len(granted))
+    job = tier._jobs[True][-1]
+    tier.poll(job.done_ns, [])
+    return job.done_ns - now
+
+
+@pytest.mark.parametrize("text, cost", [("disk:64MiB", "first_write"),
+                                        ("disk:64MiB:pagecache", "first_write_page_cache"),
+                                        ("vllm-disk:64MiB", "first_write")])
+def test_a_slots_first_write_costs_more_than_its_rewrites(text, cost):
+    # Goal: the bench's `store` (a fresh slot file: ext4 converts each fallocated
+    # extent on its first write) against its `rewrite`. kvsim knows which slots were
+    # written since the tier's file was created: the first store into a slot pays
+    # the profile's first-write cost, a later store reusing the slot (the pool evicts
+    # to make room) does not.
+    tier = _tier(text)
+    n = tier.pool.num_slots
+    first = _store_ns(tier, list(range(n)), 0)
+    rewrite = _store_ns(tier, list(range(n, 2 * n)), 10**12)
+    again = _store_ns(tier, list(range(2 * n, 3 * n)), 2 * 10**12)
+    assert tier.pool.num_evictions == 2 * n  # the same slots, reused
+    assert rewrite == again
+    assert first > rewrite * 1.05
+    flat = _tier(text, dataclasses.replace(H200, **{cost: IoCost()}))
+    assert _store_ns(flat, list(range(n)), 0) == rewrite  # the difference is that cost, nothing else
+
+
+def test_first_writes_are_tracked_per_slot_used_not_per_slot_of_capacity():
+    # Goal: `--tier disk:1000TB` must work: the record of written slots is one byte
+    # per pool slot, and the pool is no larger than the units the replay can offer.
+    tier = OffloadTier(parse_tier("disk:1000TB"), Hardware(), H200, BLOCK_BYTES, 32, max_units=1000)
+    assert tier.capacity_units > 10**6 and tier.pool.num_slots == 1000 == len(tier._written)
 
 
 def test_in_flight_stores_are_invisible_until_polled():
