@@ -14,6 +14,7 @@ or verified) straight from staging into its block, which is then that unit's cop
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -122,7 +123,7 @@ class LoadLane(Lane):
         self.end_copy()
         return failed, None
 
-    def open_rows(self, unit: Unit, rows: Any, skip: set[int], records: list[Any], mv: memoryview,
+    def open_rows(self, unit: Unit, rows: Iterable[int], skip: set[int], records: list[Any], mv: memoryview,
                   host: Optional[memoryview]) -> set[int]:
         """Open the slots read into staging ``rows`` (in place, or into their blocks of
         ``host``); returns the rows that failed their check."""
