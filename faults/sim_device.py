@@ -93,7 +93,7 @@ class SimDevice:
 
     # -- the Device seam --------------------------------------------------------
 
-    def bind_thread(self, stream: Any = None, layout: Any = None, rows: int = 0) -> Any:
+    def bind_thread(self, stream: Any = None, layout: Any = None, rows: int = 0, to_host: Any = None) -> Any:
         """Register this thread; return its own stream, as ``CudaDevice`` gives each IO
         thread one (copies of different threads are not ordered with each other)."""
         with self._cv:

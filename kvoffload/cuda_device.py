@@ -24,10 +24,12 @@ from kvoffload.device import BlockLayout, DeviceEvent, copy_rows
 # tensor per copy, so it only wins for tiny pieces. H200, 8 threads, 16 MiB units,
 # H2D / D2H GiB/s: 1 KiB pieces: descriptors 1.4 / 1.9, per-tensor kernels 3.8 / 6.9;
 # 8 KiB pieces: descriptors 11.4 / 17.1, per-tensor kernels 2.2 / 4.9 (128 tensors).
-# With the fused kernel (cuda_gather.py: one launch per copy) staging pays off up to
-# pieces of llama's 32 KiB, which descriptors already move at 0.96 of pinned.
+# With the fused kernel (cuda_gather.py: one launch per copy) staging pays off for loads
+# up to pieces of llama's 32 KiB, which descriptors already move at 0.96 of pinned. Stores
+# (device to host) take descriptors far better: MLA's 18 KiB pieces moved at 37.4 GiB/s
+# as descriptors, 17.9-19.7 staged; 8 KiB pieces 17.1 as descriptors, 23.5 staged.
 STAGE_BELOW_BYTES = 4096
-FUSED_STAGE_BELOW_BYTES = 32 << 10
+FUSED_STAGE_BELOW_BYTES = {False: 32 << 10, True: 16 << 10}  # to_host -> mean piece bytes
 
 
 class _ThreadStream(torch.cuda.Stream):
@@ -57,7 +59,8 @@ class CudaDevice:
         self._fused: Optional[FusedPieces] = None
         self._fused_checked = False
 
-    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
+    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0,
+                    to_host: Optional[bool] = None) -> Any:
         torch.cuda.set_device(self.device)
         # One stream per IO thread, at the lane stream's priority (vLLM's offload
         # streams: lowest, so copies yield to compute): on one shared stream the
@@ -66,7 +69,7 @@ class CudaDevice:
         # H200 (64 x 32 KiB tensors, 16 MiB units, 8 threads): 28 GiB/s shared,
         # 44 GiB/s per thread, against 51.5 GiB/s contiguous pinned H2D.
         own = _ThreadStream(self.device, priority=getattr(stream, "priority", 0))
-        if layout is not None and rows > 0 and self.stages(layout):
+        if layout is not None and rows > 0 and self.stages(layout, to_host):
             # One buffer serves both staging halves of a load thread: its copies are
             # ordered on this stream, so a row DMA never overtakes the last scatter.
             with torch.cuda.stream(own):  # allocated for, and freed after, this stream's work
@@ -81,10 +84,12 @@ class CudaDevice:
                 self._fused_checked = True
         return self._fused if self._fused is not None and FusedPieces.fits(layout) else None
 
-    def stages(self, layout: BlockLayout) -> bool:
-        """Whether copies of this layout go through device staging rows."""
+    def stages(self, layout: BlockLayout, to_host: Optional[bool] = None) -> bool:
+        """Whether copies of this layout in this direction (None: either) go through device
+        staging rows."""
         piece = layout.block_bytes / len(layout.caches)
-        if len(layout.caches) > 1 and piece < FUSED_STAGE_BELOW_BYTES and self.fused(layout) is not None:
+        below = max(FUSED_STAGE_BELOW_BYTES.values()) if to_host is None else FUSED_STAGE_BELOW_BYTES[to_host]
+        if len(layout.caches) > 1 and piece < below and self.fused(layout) is not None:
             return True
         return piece < STAGE_BELOW_BYTES
 
@@ -132,7 +137,7 @@ class CudaDevice:
         slot = host.stride(0) * host.element_size()
         hst_rows = np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
         attr = self._attr_store if to_host else self._attr_load
-        if stage is not None and len(block_ids) <= stage.shape[0]:
+        if stage is not None and len(block_ids) <= stage.shape[0] and self.stages(layout, to_host):
             # Packed host rows <-> device rows, one descriptor each; per tensor one gather
             # (store) or scatter (load) kernel between those rows and the caches.
             n, row_bytes = len(block_ids), stage.shape[1]

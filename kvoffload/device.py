@@ -167,13 +167,14 @@ def random_caches(device: torch.device | str, num_blocks: int, tensor_bytes: Seq
 class Device(Protocol):
     """What the backend needs from a device. Streams may be None on CPU."""
 
-    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
+    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0,
+                    to_host: Optional[bool] = None) -> Any:
         """Prepare the calling thread for device work; return the stream its copies go on.
 
         ``stream`` is the lane's stream (vLLM's load or store stream, or None): only
-        its priority is used. ``layout`` and ``rows`` (the most rows one copy moves)
-        let the device set up per-thread state for that shape; raises if it cannot
-        (device memory).
+        its priority is used. ``layout``, ``rows`` (the most rows one copy moves) and
+        ``to_host`` (the direction the thread copies in; None: both) let the device set
+        up per-thread state for that shape; raises if it cannot (device memory).
         """
 
     def new_event(self) -> Any:
@@ -235,7 +236,8 @@ DONE = DoneEvent()
 class CpuDevice:
     """CPU tensors stand in for device memory; copies are synchronous."""
 
-    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0) -> Any:
+    def bind_thread(self, stream: Any, layout: Optional[BlockLayout] = None, rows: int = 0,
+                    to_host: Optional[bool] = None) -> Any:
         return stream
 
     def new_event(self) -> Any:

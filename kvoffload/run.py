@@ -139,7 +139,7 @@ class Lane:
         run.thread_started()
         try:
             try:
-                stream = run.dev.bind_thread(self.stream, run.layout, self.rows)
+                stream = run.dev.bind_thread(self.stream, run.layout, self.rows, to_host=self.direction == "store")
                 # Per staging buffer: its rows, its bytes and the one event its copies
                 # record (a copy on a buffer always waits for the one before, so the
                 # event is free again).

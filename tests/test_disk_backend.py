@@ -258,7 +258,11 @@ def test_fused_gather_kernel_is_used_and_moves_exact_bytes(tmp_path, tensor_byte
 
     caches = make_caches("cuda", 24, tensor_bytes, seed=11)
     dev = CudaDevice(resolve_device("cuda"))
-    assert dev.fused(BlockLayout.from_caches(caches)) is not None, "Triton imports but the kernel is off"
+    lay = BlockLayout.from_caches(caches)
+    assert dev.fused(lay) is not None, "Triton imports but the kernel is off"
+    # Loads stage pieces under 32 KiB; stores only under 16 KiB (larger pieces go faster as descriptors).
+    piece = lay.block_bytes / len(lay.caches)
+    assert dev.stages(lay, to_host=False) and dev.stages(lay) and dev.stages(lay, to_host=True) is (piece < 16 << 10)
     b = start(caches, "cuda", tmp_path, num_slots=24, io_unit_bytes=3 * block_bytes(caches), device_impl=dev)
     try:
         want, ev = snapshot(caches), []
@@ -424,7 +428,7 @@ class NoMemoryDevice(CpuDevice):
         self.calls = 0
         self.lock = threading.Lock()
 
-    def bind_thread(self, stream, layout=None, rows=0):
+    def bind_thread(self, stream, layout=None, rows=0, to_host=None):
         with self.lock:
             self.calls += 1
             if self.calls == 3:
@@ -452,7 +456,7 @@ class WedgedBindDevice(CpuDevice):
     def __init__(self) -> None:
         self.release = threading.Event()
 
-    def bind_thread(self, stream, layout=None, rows=0):
+    def bind_thread(self, stream, layout=None, rows=0, to_host=None):
         self.release.wait(30)
         return stream
 

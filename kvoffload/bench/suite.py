@@ -357,7 +357,7 @@ class Bench:
         h2d = Timed(0, 0.0, 0.0)
 
         def copy_units(k: int, ids: list[int], is_store: bool) -> None:
-            stream = self.dev.bind_thread(None, layout, unit)
+            stream = self.dev.bind_thread(None, layout, unit, to_host=is_store)
             event = self.dev.new_event()  # one per thread, re-recorded: its stream is in order
             ev = None
             for u in range(k * unit, len(ids), threads * unit):
