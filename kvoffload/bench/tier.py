@@ -4,10 +4,12 @@ Both tiers are built the way ``vllm serve`` builds them, by vLLM 0.33's
 ``TieringOffloadingSpec.get_manager()`` (a CPU primary in shared memory and the tier from
 its ``secondary_tiers`` entry), on the same directories, and driven through the same
 ``SecondaryTierManager`` calls the tiering manager makes: ``submit_store`` of every
-chunk at once, then ``submit_load`` in waves the primary can hold, polling
+chunk at once, twice (the second round, new keys of new bytes, finds kvoffload's tier full:
+every store evicts and overwrites a written slot, the steady state; ``again`` in the
+table), then ``submit_load`` of the second round in waves the primary can hold, polling
 ``get_finished_jobs`` until all are done. Every loaded byte is compared with what was
-stored. Per tier: store and load GiB/s, process CPU seconds per GiB (all threads) and
-the files it created; beside them the raw O_DIRECT ceiling of the same directories at
+stored. Per tier: store, store again and load GiB/s, process CPU seconds per GiB (all
+threads) and the files it created; beside them the raw O_DIRECT ceiling of the same directories at
 the chunk size (best queue depth). The table (or ``--json``) comes last.
 
 vLLM's ``fs`` tier takes one ``root_dir``: with several ``--dir`` it runs on the first
@@ -50,7 +52,8 @@ class TierRun:
 
     name: str
     dirs: list[str]
-    store: Optional[Timed] = None
+    store: Optional[Timed] = None  # the first fill: kvoffload's first writes into a fresh file
+    store_again: Optional[Timed] = None  # new keys into a full tier: evictions, rewrites of written slots
     load: Optional[Timed] = None
     files: int = 0
     failed_jobs: int = 0
@@ -221,23 +224,32 @@ def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, p
     # shuts down and unmaps the primary).
     rows = np.asarray(manager.primary_tier.get_kv_memoryview()).view(np.uint8)
     assert rows.shape == (primary_chunks, chunk_bytes), rows.shape
-    rows[:] = np.random.default_rng(seed).integers(0, 256, rows.shape, dtype=np.uint8)
-    want = rows.copy()
+    rng = np.random.default_rng(seed)
     src = [i % primary_chunks for i in range(n)]
     drv = driver(list(manager.secondary_tiers), chunk_bytes)
-    run.store = timed(lambda: drv.run(list(range(n)), src, True, a.job_chunks))
-    run.store.nbytes = n * chunk_bytes
+    # Two rounds of n new keys, each from fresh random rows: the second finds kvoffload's
+    # tier full (n slots), so every store evicts a key and overwrites its slot, as once a
+    # server is warm; fs writes new files. What is loaded back is the second round's.
+    for key0 in (0, n):
+        rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+        t = timed(lambda: drv.run(list(range(key0, key0 + n)), src, True, a.job_chunks))
+        t.nbytes = n * chunk_bytes
+        if key0 == 0:
+            run.store = t
+        else:
+            run.store_again = t
+    want = rows.copy()
     run.files = count_files(run.dirs)
     run.info["drop_caches"] = drop_caches()
     run.load = Timed(n * chunk_bytes, 0.0, 0.0)
     ok = True
     for w in range(0, n, primary_chunks):  # a wave fills the primary at most once
-        keys = list(range(w, min(n, w + primary_chunks)))
-        rows[: len(keys)] = 0
-        t = timed(lambda: drv.run(keys, list(range(len(keys))), False, a.job_chunks))
+        idx = list(range(w, min(n, w + primary_chunks)))
+        rows[: len(idx)] = 0
+        t = timed(lambda: drv.run([n + i for i in idx], list(range(len(idx))), False, a.job_chunks))
         run.load.seconds += t.seconds
         run.load.cpu_seconds += t.cpu_seconds
-        ok = ok and bool(np.array_equal(rows[: len(keys)], want[[src[k] for k in keys]]))
+        ok = ok and bool(np.array_equal(rows[: len(idx)], want[[src[i] for i in idx]]))
     run.failed_jobs = drv.failed
     run.verified = ok and drv.failed == 0
 
@@ -294,12 +306,14 @@ def bench(a: argparse.Namespace) -> dict:
         finally:
             for w in workdirs:
                 shutil.rmtree(w, ignore_errors=True)
-        print(f"{name}: store {r.store.gib_s:.2f} GiB/s, load {r.load.gib_s:.2f} GiB/s, files {r.files}, "
+        print(f"{name}: store {r.store.gib_s:.2f} GiB/s, again {r.store_again.gib_s:.2f}, load {r.load.gib_s:.2f} "
+              f"GiB/s, files {r.files}, "
               f"{'ok' if r.verified else 'FAIL'}", file=sys.stderr)
         raw_read = out.get("raw", {}).get("direct-read", {}).get("gib_s")
         out["tiers"].append({
             "tier": name, "dirs": len(workdirs),
-            "store_gib_s": round(r.store.gib_s, 3), "load_gib_s": round(r.load.gib_s, 3),
+            "store_gib_s": round(r.store.gib_s, 3), "store_again_gib_s": round(r.store_again.gib_s, 3),
+            "load_gib_s": round(r.load.gib_s, 3),
             "store_cpu_s_per_gib": round(r.store.cpu_seconds / (r.store.nbytes / GiB), 3),
             "load_cpu_s_per_gib": round(r.load.cpu_seconds / (r.load.nbytes / GiB), 3),
             "load_of_raw_read": round(r.load.gib_s / raw_read, 3) if raw_read else None,
@@ -317,16 +331,17 @@ def table(out: dict) -> str:
     lines = [f"tier bench: {gib:.2f} GiB in {out['chunks']} chunks of {out['chunk_bytes'] // 1024} KiB, "
              f"{out['job_chunks']} chunks a job, primary {out['primary_chunks']} chunks, kvoffload seal {out['seal']}; "
              f"dirs {', '.join(out['dirs'])}"]
-    head = (f"{'tier':<12} {'dirs':>4} {'store GiB/s':>11} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
+    head = (f"{'tier':<12} {'dirs':>4} {'store GiB/s':>11} {'again':>6} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
             f"{'load CPU s/GiB':>14} {'load/raw':>8} {'files':>7}  check")
     lines += [head, "-" * len(head)]
     for k, r in out.get("raw", {}).items():
-        rate = f"{r['gib_s']:11.2f} {'':>10}" if k == "direct-write" else f"{'':>11} {r['gib_s']:10.2f}"
+        rate = f"{r['gib_s']:11.2f} {'':>6} {'':>10}" if k == "direct-write" else f"{'':>11} {'':>6} {r['gib_s']:10.2f}"
         lines.append(f"{'raw ' + k.split('-')[1]:<12} {len(out['dirs']):>4} {rate} {'':>15} {'':>14} {'':>8} "
                      f"{'':>7}  qd {r['qd']}")
     for t in out["tiers"]:
         ratio = "" if t["load_of_raw_read"] is None else f"{t['load_of_raw_read']:.2f}"
-        lines.append(f"{t['tier']:<12} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['load_gib_s']:10.2f} "
+        lines.append(f"{t['tier']:<12} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['store_again_gib_s']:6.2f} "
+                     f"{t['load_gib_s']:10.2f} "
                      f"{t['store_cpu_s_per_gib']:15.3f} {t['load_cpu_s_per_gib']:14.3f} {ratio:>8} {t['files']:>7}  "
                      f"{'ok' if t['verified'] else 'FAIL'}")
     if "kvoffload_load_over_fs" in out:
