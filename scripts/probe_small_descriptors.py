@@ -6,9 +6,9 @@ stream, two ways:
 
   dma      Device.copy_to_device / copy_to_host on a plain stream: one
            cuMemcpyBatchAsync descriptor per (tensor, block)
-  staged   the same calls on a stream from bind_thread(layout, rows): layouts with
-           pieces under STAGE_BELOW_BYTES go through device staging rows (one
-           descriptor per row, then one scatter/gather kernel per tensor)
+  staged   the same calls on a stream from bind_thread(layout, rows, to_host): where
+           ``CudaDevice.stages`` says so for that direction, through device staging
+           rows (one descriptor per row, then the gather/scatter kernels)
   kernel   per cache tensor one index_copy_ (H2D) or index_select + copy (D2H)
            kernel that reads or writes the host staging directly through its
            device mapping (zero-copy over PCIe), no DMA descriptors
@@ -69,7 +69,7 @@ def main() -> int:
         shares = np.array_split(np.random.default_rng(0).permutation(n_blocks), a.threads)
 
         def body(how, to_dev, k, deadline):
-            stream = dev.bind_thread(None, layout, rows) if how == "staged" else dev.bind_thread(None)
+            stream = dev.bind_thread(None, layout, rows, to_host=not to_dev) if how == "staged" else dev.bind_thread(None)
             ev = dev.new_event()
             mine = shares[k]
             units = [mine[i:i + rows] for i in range(0, len(mine) - rows + 1, rows)]
