@@ -26,6 +26,9 @@ MiB = 1 << 20
 KVOFFLOAD_IO_THREADS = 8
 KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
+# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES) moves smaller units:
+# with no GPU copy, a thread's staging then stays in the CPU caches. A test keeps it equal.
+KVOFFLOAD_TIER_IO_UNIT_BYTES = 4 * MiB
 KINDS = ("cpu", "disk", "vllm-disk")
 # Options each kind accepts; a flag that would do nothing is refused.
 _OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "ios-per-thread"),
@@ -50,6 +53,7 @@ class Pipeline:
 
 
 KVOFFLOAD = Pipeline(None, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
+KVOFFLOAD_TIER = replace(KVOFFLOAD, unit_bytes=KVOFFLOAD_TIER_IO_UNIT_BYTES)  # the disk level of cpu:+disk:
 # vLLM 0.33's simple_kv_offload DiskBackend: one store and one load thread, one IO
 # at a time, whole jobs, no checksum, one file.
 VLLM_033 = Pipeline(1, 1, 0, "off", 1, False)
@@ -109,11 +113,11 @@ def parse_tier(text: str) -> TierSpec:
         raise ValueError(f"bad tier {text!r}: the second level must be kvoffload's disk tier, "
                          f"disk:SIZE[:OPTION...] (got {second!r})")
     primary = _parse_level(text, first)
-    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second))
+    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second, KVOFFLOAD_TIER))
 
 
-def _parse_level(text: str, spec: str) -> TierSpec:
-    """One level (``spec``) of the tier ``text``."""
+def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:
+    """One level (``spec``) of the tier ``text``; ``disk`` is what a ``disk`` level starts from."""
     parts = spec.split(":")
     kind = parts[0].lower()
     if kind == "none" and len(parts) == 1:
@@ -131,7 +135,7 @@ def _parse_level(text: str, spec: str) -> TierSpec:
         if len(parts) > 2:
             raise ValueError(f"bad tier {text!r}: cpu takes no options")
         return TierSpec("cpu", size, text=spec)
-    pipe = KVOFFLOAD if kind == "disk" else VLLM_033
+    pipe = disk if kind == "disk" else VLLM_033
     seen: set[str] = set()
     for opt in parts[2:]:
         name, _, value = opt.partition("=")
