@@ -157,6 +157,9 @@ class SlotTier:
         if primary.ndim < 1 or primary.strides is None or not primary.c_contiguous:
             raise ValueError(f"{TIER_TYPE}: the primary view must be C-contiguous [num_chunks, bytes], "
                              f"got shape {primary.shape}, strides {primary.strides}")
+        if primary.readonly:
+            # Loads write chunks straight into it: a read-only mapping would fault the process.
+            raise ValueError(f"{TIER_TYPE}: the primary view is read-only; loads write into it")
         self.block_bytes = primary.strides[0]
         # A byte view cast from the primary's, so vLLM can release its own view at shutdown.
         self._flat = primary.cast("B")

@@ -108,6 +108,13 @@ def test_non_contiguous_primary_is_refused(cache_dir, primary) -> None:
 # -- data path ---------------------------------------------------------------------
 
 
+def test_read_only_primary_is_refused(cache_dir) -> None:
+    ro = memoryview(bytes(2 * ROW)).cast("B", (2, ROW))
+    with pytest.raises(ValueError, match="the primary view is read-only; loads write into it"):
+        SlotTier(ro, tier_config(cache_dir))
+    assert os.listdir(cache_dir) == []
+
+
 def test_store_then_load_returns_exact_bytes(tier, primary) -> None:
     want = primary.rows[[3, 1, 4]].copy()
     tier.submit_store(1, ["a", "b", "c"], np.array([3, 1, 4]))
