@@ -151,7 +151,10 @@ class DiskBackend:
                                                  total_block_bytes, use_page_cache, named_file,
                                                  max_slot_bytes=budget // num_disk_slots))
             for f in run.files:
-                rows = max(1, io_unit_bytes // f.slot_bytes)
+                # A unit never holds more blocks than the device has or the file has slots,
+                # so staging is never larger than a job can fill (a mistaken io_unit_bytes
+                # of 1 TiB would otherwise allocate 1 TiB per buffer).
+                rows = max(1, min(io_unit_bytes // f.slot_bytes, f.num_slots, layout.num_blocks))
                 run.lanes[True].append(StoreLane(run, f, store_stream, rows))
                 run.lanes[False].append(LoadLane(run, f, load_stream, rows))
             run.start_threads(start_timeout)
@@ -240,11 +243,13 @@ class DiskBackend:
         return list(self._require_run().files)
 
     def stats(self) -> dict[str, Any]:
-        """Bytes moved to and from the slot files since init, how slots are sealed, and the
-        IO threads' seconds per stage and direction (``wait``, ``device``, ``seal``, ``io``)."""
+        """Bytes moved to and from the slot files since init, how slots are sealed, the host
+        staging allocated (all IO threads), and the IO threads' seconds per stage and direction
+        (``wait``, ``device``, ``seal``, ``io``)."""
         run = self._require_run()
         with run.lock:
-            moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name}
+            moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
+                     "staging_bytes": sum(b.numel() * b.element_size() for b in run.pinned)}
         return {**moved, "stage_seconds": run.stage_seconds()}
 
     def _require_run(self) -> Run:

@@ -277,6 +277,25 @@ def test_fused_gather_kernel_is_used_and_moves_exact_bytes(tmp_path, tensor_byte
         b.shutdown()
 
 
+@pytest.mark.parametrize("unit, rows", [(8192, 2), (2**40, 8)], ids=["unit", "1TiB-unit"])
+def test_staging_is_bounded_by_the_unit_and_by_what_a_job_can_fill(tmp_path, unit, rows):
+    # Per IO thread one store buffer and two load buffers of `rows` slots (+ the tag's
+    # spare bytes); a unit never holds more than the device's 8 blocks, whatever io_unit_bytes says.
+    from kvoffload.slot_seal import TAG_BYTES
+
+    caches = make_caches("cpu", 8, [4096])
+    b = start(caches, "cpu", tmp_path, num_slots=64, io_threads=2, io_unit_bytes=unit)
+    try:
+        assert b.stats()["staging_bytes"] == 2 * 3 * (rows * b.files[0].slot_bytes + TAG_BYTES)
+        want, ev = snapshot(caches), []
+        assert run_job(b, list(range(8)), list(range(40, 48)), True, ev).ok
+        caches["layer0"].zero_()
+        assert run_job(b, list(range(40, 48)), list(range(8)), False, ev, 1).ok
+        assert torch.equal(caches["layer0"], want["layer0"])
+    finally:
+        b.shutdown()
+
+
 def test_checksums_off_still_round_trips(device, tmp_path):
     caches = make_caches(device, 4, [4096])
     b = start(caches, device, tmp_path, checksums=False)
