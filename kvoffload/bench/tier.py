@@ -230,14 +230,13 @@ def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, p
     # Two rounds of n new keys, each from fresh random rows: the second finds kvoffload's
     # tier full (n slots), so every store evicts a key and overwrites its slot, as once a
     # server is warm; fs writes new files. What is loaded back is the second round's.
-    for key0 in (0, n):
+    def store_round(key0: int) -> Timed:
         rows[:] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
         t = timed(lambda: drv.run(list(range(key0, key0 + n)), src, True, a.job_chunks))
         t.nbytes = n * chunk_bytes
-        if key0 == 0:
-            run.store = t
-        else:
-            run.store_again = t
+        return t
+
+    run.store, run.store_again = store_round(0), store_round(n)
     want = rows.copy()
     run.files = count_files(run.dirs)
     run.info["drop_caches"] = drop_caches()
@@ -275,7 +274,8 @@ def bench(a: argparse.Namespace) -> dict:
     primary_chunks = max(1, min(n, int(a.primary_gib * GiB) // chunk_bytes))
     dirs = [os.path.abspath(d) for d in a.dir]
     out: dict = {"dirs": dirs, "chunk_bytes": chunk_bytes, "chunks": n, "primary_chunks": primary_chunks,
-                 "job_chunks": a.job_chunks, "seal": a.seal, "io_unit_mib": a.io_unit_mib, "host": platform.node(), "cpus": os.cpu_count(), "tiers": []}
+                 "job_chunks": a.job_chunks, "seal": a.seal, "io_unit_mib": a.io_unit_mib, "host": platform.node(),
+                 "cpus": os.cpu_count(), "tiers": []}
     if not a.no_raw:
         raw = raw_ceilings(dirs, chunk_bytes, min(n * chunk_bytes, GiB), a.raw_seconds)
         out["raw"] = {k: {"gib_s": round(t.gib_s, 3), "cpu_s_per_gib": round(t.cpu_seconds / (t.nbytes / GiB), 3),
