@@ -3,12 +3,15 @@
 Load with ``"kv_connector": "KvoffloadConnector", "kv_connector_module_path":
 "kvoffload.vllm"``. vLLM is imported only when ``KvoffloadConnector`` is first
 looked up (module ``__getattr__``), so this module imports without vLLM, and an
-installed vLLM whose interface differs from 0.33.x fails there with one clear
-message rather than with an AttributeError deep in a worker.
+installed vLLM outside 0.32.x-0.33.x (``vllm_version``), or one whose interface
+differs, fails there with one clear message rather than with an AttributeError
+deep in a worker.
 
-What changes against vLLM 0.33's own connector (same keys, same behaviour otherwise):
-- disk mode runs kvoffload's ``DiskBackend`` (the worker's hard-coded
-  ``if self.disk_mode`` branch, ``_init_disk_mode``, is overridden);
+What changes against vLLM's own connector (same keys, same behaviour otherwise):
+- disk mode runs kvoffload's ``DiskBackend``: the worker's disk-mode registration
+  (``register_kv_caches``) is kvoffload's, with vLLM's block layout rule
+  (``offload_regions``), and it never calls CUDA stream or event APIs for caches
+  on the CPU (vLLM's CPU engine replaces them with placeholders);
 - a failed load is recomputed exactly once: its device blocks go to vLLM through
   ``get_block_ids_with_load_errors()`` (``kv_load_failure_policy="recompute"``),
   and its slots leave the scheduler's offload index, so no lookup offers them
@@ -21,6 +24,8 @@ What changes against vLLM 0.33's own connector (same keys, same behaviour otherw
 - per-rank files are named by DP rank and global rank, not ``device.index``;
 - scheduler and ranks size the pool with one rule (``config.num_slots`` on the
   padded slot size), and every rank checks the scheduler's count against its own.
+  vLLM 0.32 has no ``num_cpu_blocks`` key, so the scheduler is handed the byte
+  budget whose floor is that count (``_scheduler_capacity``), the same on 0.33.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import logging
 from collections import Counter
 from typing import Any, Optional
 
+import torch
+
 from kvoffload.config import OffloadConfig, rank_disk_path
 from kvoffload.os_calls import OsCalls
+from kvoffload.vllm_version import SUPPORTED_TEXT, check_vllm
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = "0.33.x"
 _CLASSES: dict[str, type] = {}
 
 
@@ -53,32 +60,24 @@ def _params(fn: Any) -> list[str]:
 
 
 def _check_interface(version: str, base: Any, worker_cls: Any, scheduler_cls: Any) -> None:
-    """Feature-detect what this adapter overrides; raise ImportError naming what differs."""
+    """Feature-detect what this adapter relies on; raise ImportError naming what differs."""
     problems = []
-    expect = {
-        "SimpleCPUOffloadWorker._init_disk_mode": (
-            getattr(worker_cls, "_init_disk_mode", None), ["self", "unique_gpu_caches", "total_bytes_per_block", "device"]),
-        "SimpleCPUOffloadWorker._resolve_num_cpu_blocks": (
-            getattr(worker_cls, "_resolve_num_cpu_blocks", None), ["self", "capacity_bytes", "bytes_per_block"]),
-    }
-    for what, (fn, params) in expect.items():
-        if fn is None:
-            problems.append(f"{what} is missing")
-        elif _params(fn) != params:
-            problems.append(f"{what}{tuple(_params(fn))} differs from {tuple(params)}")
+    for name in ("register_kv_caches", "start_load_kv", "wait_for_save", "bind_connector_metadata",
+                 "build_connector_worker_meta", "get_finished"):
+        if not callable(getattr(worker_cls, name, None)):
+            problems.append(f"SimpleCPUOffloadWorker.{name} is missing")
     init = set(_params(worker_cls.__init__))
-    for p in ("kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots",
-              "use_page_cache", "num_cpu_blocks"):
+    for p in ("kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache"):
         if p not in init:
             problems.append(f"SimpleCPUOffloadWorker.__init__ has no {p!r} parameter")
-    if "num_cpu_blocks" not in _params(scheduler_cls.__init__):
-        problems.append("SimpleCPUOffloadScheduler.__init__ has no 'num_cpu_blocks' parameter")
+    if "disk_capacity_bytes" not in _params(scheduler_cls.__init__):
+        problems.append("SimpleCPUOffloadScheduler.__init__ has no 'disk_capacity_bytes' parameter")
     if not hasattr(base, "get_block_ids_with_load_errors"):
         problems.append("KVConnectorBase_V1.get_block_ids_with_load_errors is missing")
     if problems:
         raise ImportError(
-            f"kvoffload.vllm supports vLLM {SUPPORTED_VLLM}; the installed vLLM {version} has a different "
-            f"simple_kv_offload interface: {'; '.join(problems)}. Pin vllm==0.33.* or use "
+            f"kvoffload.vllm supports vLLM {SUPPORTED_TEXT}; the installed vLLM {version} has a different "
+            f"simple_kv_offload interface: {'; '.join(problems)}. Install a supported release or use "
             'kv_connector "SimpleCPUOffloadConnector" (vLLM\'s own disk backend).'
         )
 
@@ -95,33 +94,107 @@ def _ranks(vllm_config: Any) -> tuple[int, int]:
     return dp, rank
 
 
+def _gpu_total_bytes(kv_cache_config: Any) -> int:
+    # vLLM's rule (0.33's sizing.gpu_total_bytes): every KVCacheTensor is placed in
+    # one backing allocation, so the first one's size is the whole cache.
+    return kv_cache_config.kv_cache_tensors[0].size
+
+
 def scheduler_num_slots(cfg: OffloadConfig, kv_cache_config: Any) -> int:
     """The scheduler's pool size: the ranks' rule applied to the scheduler's KV layout.
 
     Bytes per block come from the allocation as vLLM's ``_derive_cpu_config`` sees
     them (rounded up), and the result never exceeds vLLM's own unpadded bound.
     """
-    from vllm.v1.simple_kv_offload.sizing import gpu_total_bytes
-
-    total = gpu_total_bytes(kv_cache_config)
+    total = _gpu_total_bytes(kv_cache_config)
     nb = kv_cache_config.num_blocks
     unpadded = nb * cfg.disk_capacity_bytes // total
     return min(cfg.num_disk_slots(-(-total // nb)), unpadded)
 
 
+def _scheduler_capacity(num_slots: int, kv_cache_config: Any) -> int:
+    """The byte budget for which vLLM's scheduler pool is exactly ``num_slots``.
+
+    vLLM (0.32 and 0.33 alike) sizes it ``num_blocks * capacity // total``; with
+    ``capacity = ceil(num_slots * total / num_blocks)`` the floor is ``num_slots``
+    because ``total >= num_blocks`` (a block is at least one byte).
+    """
+    total = _gpu_total_bytes(kv_cache_config)
+    nb = kv_cache_config.num_blocks
+    return -(-num_slots * total // nb)
+
+
+def _min_over_ranks(n: int) -> int:
+    """All-reduce MIN over vLLM's world group (0.33's
+    ``sync_num_offload_blocks_across_workers``; 0.32 has none): PP stages differ in
+    bytes per block, and every rank must hold every slot id the scheduler hands out
+    (#52921)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return n
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    if group.world_size <= 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, group=group.cpu_group, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def offload_regions(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``[num_blocks, block_bytes]`` int8 regions vLLM's worker offloads, by name.
+
+    vLLM's ``SimpleCPUOffloadWorker.register_kv_caches`` rule (the same in 0.32 and
+    0.33; ``tests/test_vllm_connector.py`` holds the two equal): each
+    ``KVCacheTensor`` is re-viewed from its storage; a layer-outermost placement
+    gives one region per layer (or per KV head group), a block-outermost one a
+    single region for all its layers; storage seen twice is taken once.
+    """
+    num_blocks = kv_cache_config.num_blocks
+    regions: dict[str, torch.Tensor] = {}
+    seen: set[tuple[torch.device, int]] = set()
+    for placed in kv_cache_config.kv_cache_tensors:
+        name = next((n for n in placed.layers if n in kv_caches), None)
+        if name is None:
+            continue
+        blocks_span = num_blocks * placed.block_stride
+        if placed.layer_stride >= blocks_span:  # layer outermost
+            start, span, names = placed.offset, len(placed.layers) * placed.layer_stride, placed.layers
+        else:
+            start, span, names = 0, blocks_span, placed.layers[:1]
+        cache = kv_caches[name]
+        raw = torch.empty(0, dtype=torch.int8, device=cache.device).set_(cache.untyped_storage())
+        if raw.numel() < start + span:
+            raise ValueError(f"KV cache {name!r} storage has {raw.numel()} bytes, smaller than the "
+                             f"{span} bytes it places at offset {start}")
+        views = raw[start:start + span].view(-1, num_blocks, placed.block_stride)
+        per_layer, rest = divmod(len(views), len(names))
+        if rest:
+            raise ValueError(f"KV cache {name!r} places {len(names)} layers in {len(views)} block-strided regions")
+        for i, view in enumerate(views):
+            key = (view.device, view.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            layer = names[i // per_layer]
+            regions[layer if per_layer == 1 else f"{layer}.{i % per_layer}"] = view
+    return regions
+
+
 def _build_connector_class() -> type:
+    check_vllm("kvoffload.vllm")
     try:
         import vllm
         from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as scc
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
-        from vllm.v1.simple_kv_offload.sizing import sync_num_offload_blocks_across_workers
         from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
     except ImportError as e:
-        raise ImportError(
-            f"kvoffload.vllm needs vLLM {SUPPORTED_VLLM} (pip install 'vllm==0.33.*'): {e}"
-        ) from e
+        raise ImportError(f"kvoffload.vllm: the installed vLLM lacks simple_kv_offload ({e}); "
+                          f"it supports vLLM {SUPPORTED_TEXT}") from e
     _check_interface(getattr(vllm, "__version__", "unknown"), KVConnectorBase_V1,
                      SimpleCPUOffloadWorker, SimpleCPUOffloadScheduler)
     _log_through_vllm()
@@ -171,11 +244,34 @@ def _build_connector_class() -> type:
             self._store_event_of: dict[int, int] = {}
             self._failed_load_slots: set[int] = set()
 
-        def _resolve_num_cpu_blocks(self, capacity_bytes: int, bytes_per_block: int) -> int:
+        def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+            """Disk mode: vLLM's regions and pool rule, kvoffload's backend and slot sizing.
+
+            vLLM's own method makes CUDA streams first thing (``priority_range``),
+            which vLLM's CPU engine has only as a placeholder; here streams exist only
+            for CUDA caches, at the lowest priority (vLLM's rule: KV IO yields to
+            compute), and the backend needs only that priority from them.
+            """
             if not self.disk_mode:
-                return super()._resolve_num_cpu_blocks(capacity_bytes, bytes_per_block)
+                super().register_kv_caches(kv_caches)
+                return
+            if not kv_caches:
+                logger.warning("kvoffload: no KV caches to offload")
+                return
+            self.device = next(iter(kv_caches.values())).device
+            regions = offload_regions(self.kv_cache_config, kv_caches)
+            total_bytes_per_block = sum(t.stride(0) * t.element_size() for t in regions.values())
+            self.num_cpu_blocks = self._disk_slots(total_bytes_per_block)
+            if self.device.type == "cuda":
+                low, _ = torch.cuda.Stream.priority_range()
+                self.load_stream = torch.cuda.Stream(self.device, priority=low)
+                self.store_stream = torch.cuda.Stream(self.device, priority=low)
+            self.gpu_kv_caches = regions
+            self._init_disk_mode(regions, total_bytes_per_block, self.device)
+
+        def _disk_slots(self, bytes_per_block: int) -> int:
             local = self.offload.num_disk_slots(bytes_per_block)
-            requested = self._num_cpu_blocks_override
+            requested = self.offload.num_cpu_blocks
             if requested is not None:
                 if requested > local:
                     raise ValueError(
@@ -184,9 +280,7 @@ def _build_connector_class() -> type:
                         f"{self.offload.slot_bytes(bytes_per_block)} B per slot)"
                     )
                 return requested
-            # All-reduce MIN: PP stages differ in bytes per block; every rank must
-            # hold every slot id the scheduler hands out (#52921).
-            return sync_num_offload_blocks_across_workers(local)
+            return _min_over_ranks(local)
 
         def _init_disk_mode(self, unique_gpu_caches, total_bytes_per_block, device) -> None:
             assert self.disk_path is not None
@@ -211,9 +305,17 @@ def _build_connector_class() -> type:
 
         def wait_for_save(self) -> None:
             md = self._connector_metadata
-            if self.disk_mode and md is not None and md.store_cpu_blocks:
-                self._store_event_of.update(dict.fromkeys(md.store_cpu_blocks, md.store_event))
-            super().wait_for_save()
+            if not (self.disk_mode and md is not None and md.store_cpu_blocks):
+                super().wait_for_save()
+                return
+            self._store_event_of.update(dict.fromkeys(md.store_cpu_blocks, md.store_event))
+            if self.device is not None and self.device.type == "cuda":
+                super().wait_for_save()  # orders the store after a compute-done CUDA event
+                return
+            # Host caches: the forward wrote them synchronously before this runs, so
+            # there is nothing to wait for (and vLLM's event is a CUDA event).
+            self._backend.launch_copy(md.store_gpu_blocks, md.store_cpu_blocks, is_store=True,
+                                      event_idx=md.store_event, events_list=self._store_events)
 
         def take_load_errors(self) -> set[int]:
             """Device blocks whose load failed since the last call; their slots are kept
@@ -269,7 +371,7 @@ def _build_connector_class() -> type:
             super().bind_connector_metadata(metadata)
 
     class KvoffloadConnector(scc.SimpleCPUOffloadConnector):
-        """``SimpleCPUOffloadConnector`` with kvoffload's disk backend (vLLM 0.33.x)."""
+        """``SimpleCPUOffloadConnector`` with kvoffload's disk backend (vLLM 0.32.x, 0.33.x)."""
 
         def __init__(self, vllm_config, role, kv_cache_config) -> None:
             ktc = vllm_config.kv_transfer_config
@@ -278,14 +380,22 @@ def _build_connector_class() -> type:
             self.offload = cfg
             self._kvoffload_num_slots: int | None = None
             vllm_extra = cfg.normalized_extra(extra)
-            if cfg.disk_mode and role == KVConnectorRole.SCHEDULER and cfg.num_cpu_blocks is None:
-                # Without this, vLLM sizes the scheduler pool from unpadded block bytes
-                # (the engine only aligns it for the connector named
-                # "SimpleCPUOffloadConnector"): more slots than any rank's file holds.
-                self._kvoffload_num_slots = scheduler_num_slots(cfg, kv_cache_config)
-                vllm_extra["num_cpu_blocks"] = self._kvoffload_num_slots
-            elif cfg.disk_mode and role == KVConnectorRole.SCHEDULER:
-                self._kvoffload_num_slots = cfg.num_cpu_blocks
+            # The pool size is kvoffload's (the rule every rank applies), and vLLM's
+            # scheduler gets it as the byte budget whose floor it is: vLLM sizes its
+            # pool from unpadded block bytes (the engine aligns it only for the
+            # connector named "SimpleCPUOffloadConnector", and 0.32 has no
+            # num_cpu_blocks key), which would hand out more slots than a file holds.
+            if cfg.disk_mode:
+                vllm_extra.pop("num_cpu_blocks", None)
+            if cfg.disk_mode and role == KVConnectorRole.SCHEDULER:
+                own = scheduler_num_slots(cfg, kv_cache_config)
+                if cfg.num_cpu_blocks is not None and cfg.num_cpu_blocks > own:
+                    raise ValueError(
+                        f"num_cpu_blocks={cfg.num_cpu_blocks} exceeds the {own} disk slots that "
+                        f"disk_capacity_bytes={cfg.disk_capacity_bytes} holds for this model's blocks")
+                self._kvoffload_num_slots = cfg.num_cpu_blocks or own
+                vllm_extra["disk_capacity_bytes"] = _scheduler_capacity(self._kvoffload_num_slots,
+                                                                        kv_cache_config)
             if vllm_extra != extra:
                 vllm_config = _with_extra(vllm_config, vllm_extra)
             super().__init__(vllm_config, role, kv_cache_config)
@@ -307,7 +417,7 @@ def _build_connector_class() -> type:
                     kv_offload_backend="disk", disk_path=cfg.disk_path,
                     disk_capacity_bytes=cfg.disk_capacity_bytes,
                     disk_buffer_slots=cfg.disk_buffer_slots, use_page_cache=cfg.use_page_cache,
-                    num_cpu_blocks=cfg.num_cpu_blocks, offload=cfg,
+                    offload=cfg,
                 )
 
         def build_connector_meta(self, scheduler_output):
@@ -403,8 +513,8 @@ def _with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
     """A shallow copy of ``vllm_config`` whose transfer config carries ``extra``.
 
     A copy, not an in-place edit: with the in-process executor the scheduler and the
-    worker share one config object, and the scheduler-only ``num_cpu_blocks`` must not
-    reach the worker.
+    worker share one config object, and the scheduler's budget must not reach the
+    worker.
     """
     import copy
     import dataclasses

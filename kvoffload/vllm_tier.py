@@ -38,10 +38,10 @@ from kvoffload.jobs import JobEvent
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvoffload.slot_pool import SlotPool
+from kvoffload.vllm_version import SUPPORTED_TEXT, check_vllm
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = "0.33.x"
 TIER_TYPE = "KvoffloadTier"
 LOCALITIES = ("LOCAL", "REMOTE")
 # Keys of a secondary_tiers entry that vLLM's factory consumes itself.
@@ -309,17 +309,19 @@ def _check_interface(version: str, base: Any, job_result: Any) -> None:
     problems += [f"JobResult has no {f!r} field" for f in ("job_id", "success", "successful_keys", "transfer_bytes")
                  if f not in fields]
     if problems:
-        raise ImportError(f"kvoffload.vllm_tier supports vLLM {SUPPORTED_VLLM}; the installed vLLM {version} "
-                          f"has a different tiering interface: {'; '.join(problems)}. Pin vllm==0.33.*.")
+        raise ImportError(f"kvoffload.vllm_tier supports vLLM {SUPPORTED_TEXT}; the installed vLLM {version} "
+                          f"has a different tiering interface: {'; '.join(problems)}.")
 
 
 def _build_tier_class() -> type:
+    check_vllm("kvoffload.vllm_tier")
     try:
         import vllm
         from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOffloadingContext
         from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
     except ImportError as e:
-        raise ImportError(f"kvoffload.vllm_tier needs vLLM {SUPPORTED_VLLM} (pip install 'vllm==0.33.*'): {e}") from e
+        raise ImportError(f"kvoffload.vllm_tier: the installed vLLM lacks the tiering interface ({e}); "
+                          f"it supports vLLM {SUPPORTED_TEXT}") from e
     _check_interface(getattr(vllm, "__version__", "unknown"), SecondaryTierManager, JobResult)
 
     class KvoffloadTier(SecondaryTierManager):

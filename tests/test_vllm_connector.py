@@ -3,8 +3,9 @@
 Runs only where vLLM imports (``make test-vllm``). vLLM's config objects need a
 detected device platform, so the VllmConfig is a namespace holding the fields the
 connector and worker read; KVTransferConfig, KVCacheConfig, the connector, the
-worker and the metadata are vLLM's own. CUDA streams are stubbed: vLLM's
-``register_kv_caches`` creates them, and the CPU device of kvoffload ignores them.
+worker and the metadata are vLLM's own. For CPU caches the worker must never touch
+CUDA streams or events (vLLM's CPU engine has only placeholders for them), so the
+tests replace them with classes that fail when used.
 """
 
 from __future__ import annotations
@@ -28,7 +29,20 @@ import kvoffload.vllm as kvv  # noqa: E402
 NUM_BLOCKS, BLOCK_BYTES = 8, 4096 + 128  # padded to 8192 per slot under O_DIRECT
 
 
+class _NoCuda:
+    """Stands in for ``torch.cuda.Stream`` and ``torch.Event``: any use fails the test."""
+
+    @staticmethod
+    def priority_range():
+        raise AssertionError("the worker asked for CUDA stream priorities for CPU caches")
+
+    def __init__(self, *a, **k) -> None:
+        raise AssertionError("the worker made a CUDA stream or event for CPU caches")
+
+
 class _Stream:
+    """vLLM's own ``register_kv_caches`` makes streams first thing: a host stand-in."""
+
     @staticmethod
     def priority_range():
         return 0, 0
@@ -52,7 +66,8 @@ def _config(tmp_path, **extra):
 
 
 def _worker(tmp_path, monkeypatch, **extra):
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Stream", _NoCuda)
+    monkeypatch.setattr(torch, "Event", _NoCuda)
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[KVCacheTensor(size=NUM_BLOCKS * BLOCK_BYTES, layers=["layer.0"],
@@ -87,15 +102,17 @@ def test_worker_runs_kvoffload_backend_round_trip(tmp_path, monkeypatch) -> None
         assert w.rank_path == str(tmp_path / "kv.bin") + ".dp1.rank0"
         assert w.num_cpu_blocks == (1 << 20) // BLOCK_BYTES  # page cache: raw block size
         want = cache[:3].clone()
-        # Store blocks 0..2 into slots 5..7 straight through the backend (the worker's
-        # store path records a CUDA event first), then load them into blocks 4..6.
-        events: list = []
-        w._backend.launch_copy([0, 1, 2], [5, 6, 7], True, 0, events)
+        # Store blocks 0..2 into slots 5..7 through the worker's store path (no CUDA
+        # event for CPU caches), then load them into blocks 4..6.
+        conn.bind_connector_metadata(SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[0, 1, 2],
+                                                              store_cpu_blocks=[5, 6, 7]))
+        conn.wait_for_save()
+        conn.clear_connector_metadata()
         for _ in range(2000):
-            if events and events[0][1].query():
+            if w._store_events and w._store_events[0][1].query():
                 break
             time.sleep(0.001)
-        assert events and events[0][0] == 0
+        assert w._store_events and w._store_events[0][0] == 0
         meta = SimpleCPUOffloadMetadata(load_event=0, load_gpu_blocks=[4, 5, 6], load_cpu_blocks=[5, 6, 7],
                                         load_event_to_reqs={0: ["req-a"]})
         assert _run_step(conn, meta) == {"req-a"}
@@ -139,12 +156,64 @@ def test_scheduler_pool_uses_the_padded_slot_rule(tmp_path) -> None:
     assert kvv.scheduler_num_slots(cfg, kv_cache_config) == 10  # 4224 B padded to 8192, not 19
 
 
+LAYOUTS = {
+    # One tensor per layer, layer outermost (vLLM's default on CUDA).
+    "per-layer": [dict(layers=["a"], layer_stride=NUM_BLOCKS * 4096, block_stride=4096),
+                  dict(layers=["b"], layer_stride=NUM_BLOCKS * 4096, block_stride=4096)],
+    # Two layers in one allocation, layer outermost: a region per layer.
+    "two-layers-outermost": [dict(layers=["a", "b"], layer_stride=NUM_BLOCKS * 4096, block_stride=4096)],
+    # K and V outermost inside one layer's tensor: a region per half (name.0, name.1).
+    "kv-outermost": [dict(layers=["a"], layer_stride=2 * NUM_BLOCKS * 2048, block_stride=2048)],
+    # Block outermost over two layers: one region whose block holds both pages.
+    "block-outermost": [dict(layers=["a", "b"], layer_stride=2048, block_stride=4096)],
+    # Two groups overlaying one allocation: the storage is taken once.
+    "aliased": [dict(layers=["a"], layer_stride=NUM_BLOCKS * 4096, block_stride=4096),
+                dict(layers=["b"], layer_stride=NUM_BLOCKS * 4096, block_stride=4096)],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_offload_regions_equal_what_vllms_worker_registers(layout, monkeypatch) -> None:
+    # Goal: kvoffload registers the caches itself (vLLM's method makes CUDA streams),
+    # so its regions must be vLLM's, name for name and byte for byte.
+    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+    placed = LAYOUTS[layout]
+    size = NUM_BLOCKS * 4096 * (2 if layout in ("two-layers-outermost", "block-outermost") else 1)
+    tensors = [KVCacheTensor(size=size, **p) for p in placed]
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[])
+    storage = [torch.zeros(size, dtype=torch.int8) for _ in tensors]
+    if layout == "aliased":
+        storage = [storage[0], storage[0]]
+    kv_caches = {}
+    for t, buf in zip(tensors, storage):
+        for name in t.layers:
+            kv_caches[name] = buf.view(torch.float16)
+
+    class Registers(SimpleCPUOffloadWorker):
+        def _init_disk_mode(self, *args) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    vllm_worker = Registers(None, kv_cache_config, 1 << 20, kv_offload_backend="disk", disk_path="/x",
+                            disk_capacity_bytes=1 << 20)
+    vllm_worker.register_kv_caches(kv_caches)
+    ours = kvv.offload_regions(kv_cache_config, kv_caches)
+    theirs = vllm_worker.gpu_kv_caches
+    assert list(ours) == list(theirs)
+    for name in ours:
+        assert ours[name].data_ptr() == theirs[name].data_ptr()
+        assert ours[name].shape == theirs[name].shape and ours[name].stride() == theirs[name].stride()
+        assert ours[name].dtype == theirs[name].dtype == torch.int8
+
+
 def test_interface_check_names_supported_version() -> None:
     class Worker:
         def __init__(self, vllm_config, kv_cache_config):
             pass
 
-    with pytest.raises(ImportError, match=r"supports vLLM 0\.33\.x; the installed vLLM 9\.9 .*_init_disk_mode is missing"):
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x or 0\.33\.x; the installed vLLM 9\.9 .*"
+                                          r"register_kv_caches is missing"):
         kvv._check_interface("9.9", object, Worker, Worker)
 
 

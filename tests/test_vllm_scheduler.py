@@ -166,3 +166,21 @@ def test_preemption_with_stores_in_flight(make_engine, faulty, use_page_cache) -
         assert st.loads <= preempted[req_id]
         assert st.computed <= (1 + preempted[req_id]) * (len(tokens) + max_tokens)
     assert eng.bad_loads == []
+
+
+@pytest.mark.parametrize("use_page_cache", FILE_MODES)
+@pytest.mark.parametrize("num_cpu_blocks", [None, 20])
+def test_scheduler_pool_is_the_ranks_slot_count(make_engine, use_page_cache, num_cpu_blocks) -> None:
+    # Goal: vLLM's scheduler hands out exactly the slots each rank's file holds (the
+    # padded-slot rule, or num_cpu_blocks), on 0.32 (no num_cpu_blocks key in vLLM)
+    # and 0.33 alike: the connector gives vLLM the byte budget whose floor is the count.
+    extra = {} if num_cpu_blocks is None else {"num_cpu_blocks": num_cpu_blocks}
+    eng = make_engine(use_page_cache, disk_slots=32, extra=extra)
+    want = 32 if num_cpu_blocks is None else num_cpu_blocks
+    assert eng.worker.worker_handler.num_cpu_blocks == want
+    assert eng.scheduler.connector.scheduler_manager.num_cpu_blocks == want
+
+
+def test_num_cpu_blocks_beyond_the_budget_is_refused(tmp_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"num_cpu_blocks=33 exceeds the 32 disk slots that disk_capacity_bytes="):
+        CpuEngine(tmp_path, monkeypatch, EngineSpec(disk_slots=32, extra={"num_cpu_blocks": 33}))
