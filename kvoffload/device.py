@@ -271,7 +271,15 @@ class HostDevice(CpuDevice):
     (AES-GCM encrypts out of place) and a load opens its staging row straight into
     the block. That saves a pass over host memory per byte each way, which on the
     CPU tier is most of what is not the cipher or the drive.
+
+    With ``direct_io`` the file IO itself goes straight into the blocks where O_DIRECT
+    allows it (the blocks' address and size multiples of the file's alignment): a
+    load reads a slot into its block and opens it there, a store whose disk form is
+    the payload (checksums) writes from the block. No staging at all for those.
     """
+
+    def __init__(self, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
 
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         if len(layout.caches) != 1 or layout.caches[0].device.type != "cpu":

@@ -9,6 +9,9 @@ buffer is read into again. Reusing a buffer before its copy finished was vLLM's
 trailing-drain bug: the next ``preadv`` overwrote rows the GPU was still reading.
 Blocks in host memory (``HostDevice``) have no copy: each slot is opened (decrypted
 or verified) straight from staging into its block, which is then that unit's copy.
+A direct lane (aligned host blocks under O_DIRECT, ``Lane.direct``) has no staging:
+it reads each slot straight into its block and opens it there; a block whose read
+fails or whose check fails is zeroed, so a block never keeps unverified bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from kvoffload.run import Lane, StageClock, Unit, units_of
+from kvoffload.slot_seal import zero
 
 # A load whose device copy is running: (unit, failed rows, copy event or None).
 _Pending = Optional[tuple[Unit, set[int], Any]]
@@ -31,6 +35,7 @@ class LoadLane(Lane):
 
     def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         run = self.run
+        buffers = views or [(None, None, None)]  # a direct lane reads into the blocks: no staging
         turn = 0
         pending: _Pending = None
         while True:
@@ -48,8 +53,8 @@ class LoadLane(Lane):
                 return
             if self.refuse_if_closing(unit):
                 continue
-            rows, mv, event = views[turn]
-            turn = (turn + 1) % len(views)
+            rows, mv, event = buffers[turn]
+            turn = (turn + 1) % len(buffers)
             try:
                 failed, ev = self.load(stream, unit, rows, mv, event, clock)
             except BaseException as e:  # a device failure: fatal for the whole backend
@@ -78,7 +83,7 @@ class LoadLane(Lane):
         self.finish(unit, failed)
         return None
 
-    def load(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any,
+    def load(self, stream: Any, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], event: Any,
              clock: StageClock) -> tuple[set[int], Any]:
         """Read and open a unit, then start its copy to the device; returns (failed, copy event)."""
         run, f = self.run, self.file
@@ -86,11 +91,13 @@ class LoadLane(Lane):
         records = [run.records[s] for s in unit.slots]
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, r in enumerate(records) if r is None}
-        payload = run.layout.block_bytes
+        if self.direct:
+            return self.load_into_blocks(unit, records, failed, clock), None
         host = run.host_blocks
+        span = self.span(mv, None)
         read = 0
         for j0, j1 in units_of(unit.local, skip=failed):
-            bad = self.transfer(mv, unit, j0, j1)
+            bad = self.transfer(span, unit, j0, j1)
             clock.lap("io")
             failed |= bad
             read += j1 - j0 - len(bad)
@@ -115,7 +122,7 @@ class LoadLane(Lane):
                 clock.lap("device")
                 return failed, ev
             # Host blocks: opening each slot into its block is this unit's copy.
-            failed |= self.open_rows(unit, good, set(), records, mv, host)
+            failed |= self.open_rows(unit, good, set(), records, mv, self.blocks(unit))
             clock.lap("seal")
         except BaseException:
             self.end_copy()
@@ -123,19 +130,62 @@ class LoadLane(Lane):
         self.end_copy()
         return failed, None
 
-    def open_rows(self, unit: Unit, rows: Iterable[int], skip: set[int], records: list[Any], mv: memoryview,
-                  host: Optional[memoryview]) -> set[int]:
-        """Open the slots read into staging ``rows`` (in place, or into their blocks of
-        ``host``); returns the rows that failed their check."""
+    def load_into_blocks(self, unit: Unit, records: list[Any], failed: set[int], clock: StageClock) -> set[int]:
+        """A direct lane's unit: read each run of valid slots straight into their blocks and
+        open them there; returns the rows that failed.
+
+        The reads write the blocks, so they count as the unit's device copy: checked
+        against ``closing`` first, waited for by shutdown. Every block read into ends
+        verified or zeroed.
+        """
+        run = self.run
+        blocks = self.blocks(unit)
+        span = self.span(None, blocks)
+        with run.copy_cond:
+            if run.closing:  # shutdown ended this job: its blocks are not ours to write
+                return set(range(len(unit.slots)))
+            run.copies += 1
+        read = 0
+        try:
+            for j0, j1 in units_of(unit.local, skip=failed):
+                bad = self.transfer(span, unit, j0, j1)
+                clock.lap("io")
+                if run.closing:
+                    # Released from a hang once shutdown had begun (maybe after it ended the
+                    # job as failed): no check runs on what the late read wrote.
+                    for j in range(j0, j1):
+                        zero(blocks[j])
+                    return set(range(len(unit.slots)))
+                for j in bad:  # a failed or short read may have written part of the block
+                    zero(blocks[j])
+                failed |= bad
+                read += j1 - j0 - len(bad)
+                # Opened right after its read, while the block is still hot in the cache.
+                failed |= self.open_rows(unit, range(j0, j1), bad, records, None, blocks)
+                clock.lap("seal")
+        finally:
+            self.end_copy()
+        with run.lock:
+            run.bytes_read += read * self.file.slot_bytes
+        return failed
+
+    def open_rows(self, unit: Unit, rows: Iterable[int], skip: set[int], records: list[Any],
+                  mv: Optional[memoryview], blocks: Optional[list[memoryview]]) -> set[int]:
+        """Open the slots of ``rows``: read into staging ``mv`` (opened in place, or into
+        ``blocks`` where given), or, with no staging, read straight into ``blocks``.
+        Returns the rows that failed their check."""
         run, f = self.run, self.file
         payload = run.layout.block_bytes
         failed = set()
         for j in rows:
             if j in skip:
                 continue
-            b = unit.block_ids[j] * payload
-            dst = None if host is None else host[b : b + payload]
-            if not run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j], dst):
+            if mv is None:
+                ok = run.seal.open_block(unit.slots[j], blocks[j], records[j])
+            else:
+                ok = run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j],
+                                   None if blocks is None else blocks[j])
+            if not ok:
                 run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
                                 unit.slots[j], f.path, run.seal.name)
                 failed.add(j)

@@ -15,13 +15,13 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from kvoffload.device import BlockLayout, Device, alloc_host
+from kvoffload.device import BlockLayout, Device, HostDevice, alloc_host
 from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import SlotFile
@@ -120,13 +120,33 @@ class Lane:
         self.queue: queue.SimpleQueue[Optional[Unit]] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
         self.clocks: list[StageClock] = []  # one per thread
+        # The file IO goes straight between the file and host blocks, with no staging,
+        # where O_DIRECT allows it: the blocks' address and size are multiples of the
+        # file's alignment, so one block is exactly one slot (no padding to read into,
+        # and no byte of the next block, another chunk, is ever touched).
+        self.direct = (run.direct_io and file.direct and file.slot_bytes == run.layout.block_bytes
+                       and run.layout.caches[0].data_ptr() % file.alignment == 0)
+
+    def blocks(self, unit: Unit) -> list[memoryview]:
+        """The unit's host blocks, in its order (host-resident blocks only)."""
+        host, size = self.run.host_blocks, self.run.layout.block_bytes
+        return [host[b * size : (b + 1) * size] for b in unit.block_ids]
+
+    def span(self, mv: Optional[memoryview], blocks: Optional[list[memoryview]]
+             ) -> Callable[[int, int], list[memoryview]]:
+        """``transfer``'s buffers: rows [a, b) of staging ``mv`` as one slice, or, on a
+        direct lane, the ``blocks`` themselves, one buffer each."""
+        if self.direct:
+            return lambda a, b: blocks[a:b]
+        size = self.file.slot_bytes
+        return lambda a, b: [mv[a * size : b * size]]
 
     def staging(self) -> list[tuple[torch.Tensor, memoryview]]:
         """One thread's staging buffers as ([rows, slot_bytes] tensor, bytes with the spare
-        tail); each is registered with the run before it is pinned."""
+        tail), none for a direct lane; each is registered with the run before it is pinned."""
         out = []
         slot = self.file.slot_bytes
-        for _ in range(self.buffers_per_thread):
+        for _ in range(0 if self.direct else self.buffers_per_thread):
             # TAG_BYTES spare: sealing the last row borrows the 16 bytes after it.
             buf = alloc_host(self.rows * slot + TAG_BYTES, max(self.file.alignment, 4096))
             self.run.pinned.append(buf)
@@ -158,9 +178,10 @@ class Lane:
     def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         raise NotImplementedError
 
-    def transfer(self, mv: memoryview, unit: Unit, j0: int, j1: int) -> set[int]:
-        """pwritev/preadv rows [j0, j1) of ``mv`` to or from the unit's file slots (consecutive
-        in the file); returns the rows that failed.
+    def transfer(self, span: Callable[[int, int], list[memoryview]], unit: Unit, j0: int, j1: int) -> set[int]:
+        """pwritev/preadv rows [j0, j1) to or from the unit's file slots (consecutive in the
+        file); ``span(a, b)`` gives the buffers of rows [a, b) (one staging slice, or one
+        block per row). Returns the rows that failed.
 
         One IO error fails only the slots it touched: after a failed or short transfer
         of several slots, the slots a short one fully moved count as done and the
@@ -171,7 +192,7 @@ class Lane:
         size = f.slot_bytes
         call = self.run.osc.pwritev if self.direction == "store" else self.run.osc.preadv
         try:
-            done = call(f.fd, [mv[j0 * size : j1 * size]], unit.local[j0] * size)
+            done = call(f.fd, span(j0, j1), unit.local[j0] * size)
             error: Any = f"short {self.direction}: {done} of {(j1 - j0) * size} bytes"
         except OSError as e:
             done, error = 0, e
@@ -183,7 +204,7 @@ class Lane:
             failed = set()
             for j in range(j0 + done // size, j1):  # a short transfer still moved the slots before
                 try:
-                    one = call(f.fd, [mv[j * size : (j + 1) * size]], unit.local[j] * size)
+                    one = call(f.fd, span(j, j + 1), unit.local[j] * size)
                 except OSError as e:
                     one, error = 0, e
                 if one != size:
@@ -222,8 +243,10 @@ class Run:
     def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
                  report_load_errors: bool, threads_per_lane: int) -> None:
         self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
-        # Host-resident blocks (HostDevice) are sealed from and opened into directly.
+        # Host-resident blocks (HostDevice) are sealed from and opened into directly,
+        # and, where a lane's file allows, read into and written from (Lane.direct).
         self.host_blocks = dev.host_view(layout)
+        self.direct_io = isinstance(dev, HostDevice) and dev.direct_io
         self.num_slots = num_slots
         self.threads_per_lane = threads_per_lane
         self.report_load_errors = report_load_errors

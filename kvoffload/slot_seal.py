@@ -8,7 +8,9 @@ The records live only in process memory, exactly as long as the file they descri
 Both work in place on the staging row, or out of place when the blocks are host
 memory themselves (``HostDevice``: vLLM's CPU tier): ``seal`` then reads the payload
 from the block and ``open`` writes it into the block, and the copy between block and
-staging, a whole pass over host memory, is folded into the cipher's own pass.
+staging, a whole pass over host memory, is folded into the cipher's own pass. Where a
+slot is read straight into its block (aligned host blocks under O_DIRECT),
+``open_block`` opens it there, touching no byte outside the block.
 
 - ``AesGcmSeal`` (the default): AES-128-GCM with a key made at init and never
   written anywhere. The file, and the raw device under it, hold only ciphertext,
@@ -34,6 +36,9 @@ TAG_BYTES = 16
 class SlotSeal(Protocol):
     name: str  # aes-gcm | xxh3 | off
     label: str  # for the start-up log line
+    # The disk form is the payload itself (checksums, validity): ``seal`` only reads it,
+    # so a store may write straight from the block. AES-GCM's is ciphertext: a copy.
+    disk_form_is_payload: bool
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
         """Write the disk form of the payload to ``row[:payload_bytes]``; return its record.
@@ -48,11 +53,17 @@ class SlotSeal(Protocol):
         place or into ``dst``; False if it is not what was sealed (``dst`` is then zeroed:
         it never keeps unverified bytes)."""
 
+    def open_block(self, slot: int, block: memoryview, record: Any) -> bool:
+        """Check the slot read straight into ``block`` (exactly the payload) and restore the
+        payload in place, writing no byte outside ``block``; False, with ``block`` zeroed,
+        if it is not what was sealed."""
+
 
 class ChecksumSeal:
     # xxh3_64 measured 44 GiB/s against crc32c's 28 GiB/s, and releases the GIL.
     name = "xxh3"
     label = "checksums (xxh3)"
+    disk_form_is_payload = True
 
     def digest(self, payload: memoryview) -> Any:
         return xxhash.xxh3_64_intdigest(payload)
@@ -68,7 +79,13 @@ class ChecksumSeal:
         if dst is not None and ok:
             _copy(dst, row[:payload_bytes])
         elif dst is not None:
-            _zero(dst)
+            zero(dst)
+        return ok
+
+    def open_block(self, slot: int, block: memoryview, record: Any) -> bool:
+        ok = self.digest(block) == record
+        if not ok:
+            zero(block)
         return ok
 
 
@@ -86,13 +103,17 @@ class AesGcmSeal:
 
     name = "aes-gcm"
     label = "encrypted (AES-GCM)"
+    disk_form_is_payload = False
 
     def __init__(self) -> None:
         try:
+            from cryptography.hazmat.primitives.ciphers import algorithms
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise RuntimeError(f"encryption needs the 'cryptography' package (>= 50): {e}") from e
-        self._aead = AESGCM(os.urandom(16))  # never leaves this object
+        key = os.urandom(16)  # never leaves this object
+        self._aead = AESGCM(key)
+        self._aes = algorithms.AES(key)  # the same key, for the streaming decryptor of open_block
         # One counter for every write under this key: a nonce is never reused.
         # next() on itertools.count is atomic under the GIL.
         self._nonces = itertools.count(1)
@@ -125,10 +146,42 @@ class AesGcmSeal:
             # decrypt_into has already written the unverified plaintext: wipe it where
             # it is the caller's block (staging rows are never copied after a failure).
             if dst is not None:
-                _zero(dst)
+                zero(dst)
             return False
         finally:
             row[n : n + TAG_BYTES] = saved
+
+    def open_block(self, slot: int, block: memoryview, record: Any) -> bool:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
+
+        # decrypt_into needs ciphertext || tag in one buffer, and the 16 bytes after a
+        # block are the next block's (another chunk, maybe being read): the streaming
+        # decryptor takes the tag from the record instead, and checks it in finalize.
+        # Same key, nonce, associated data and tag as seal: any sealed slot opens here.
+        nonce, tag = record
+        n = len(block)
+        # update_into's output must hold len(data) + block size - 1 bytes (the documented
+        # rule; 50.x asks only len(data) for GCM, a stream mode): all but the last 16 bytes
+        # decrypt in place with the block's own last 16 as room, those 16 through `tail`.
+        body = max(0, n - TAG_BYTES)
+        tail = bytearray(2 * TAG_BYTES - 1)
+        ok = False
+        try:
+            d = Cipher(self._aes, modes.GCM(_nonce(nonce), tag)).decryptor()
+            d.authenticate_additional_data(_aad(slot))
+            if body:
+                d.update_into(block[:body], block)
+            d.update_into(block[body:], tail)
+            block[body:] = tail[: n - body]
+            d.finalize()
+            ok = True
+        except InvalidTag:
+            pass
+        finally:
+            if not ok:  # the plaintext is written before the tag is checked: never keep it
+                zero(block)
+        return ok
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -136,7 +189,8 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
-def _zero(dst: memoryview) -> None:
+def zero(dst: memoryview) -> None:
+    """Fill ``dst`` with zeros."""
     np.frombuffer(dst, np.uint8).fill(0)
 
 

@@ -5,26 +5,35 @@ staging rows in one batched device copy ordered after ``wait_event`` (compute mu
 have finished writing the KV, vLLM #45704), waits for it, seals each slot (encrypts
 or checksums it) and writes each run of consecutive file slots with one ``pwritev``.
 Blocks in host memory (``HostDevice``) skip the copy: each is sealed straight from
-the block into its staging row. A slot's record is published only once its write
-succeeded whole.
+the block into its staging row. A direct lane (aligned host blocks under O_DIRECT,
+and a seal whose disk form is the payload) writes straight from the blocks. A store
+never changes a block (vLLM may be reading it), so AES-GCM always seals into
+staging. A slot's record is published only once its write succeeded whole.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from kvoffload.run import Lane, StageClock, Unit, units_of
+from kvoffload.run import Lane, Run, StageClock, Unit, units_of
+from kvoffload.slot_file import SlotFile
 
 
 class StoreLane(Lane):
     direction = "store"
     buffers_per_thread = 1
 
+    def __init__(self, run: Run, file: SlotFile, stream: Any, rows: int) -> None:
+        super().__init__(run, file, stream, rows)
+        # Only a disk form that is the payload itself can be written from the block:
+        # ciphertext is a copy, since the block must not change.
+        self.direct = self.direct and run.seal.disk_form_is_payload
+
     def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         run = self.run
-        rows, mv, event = views[0]
+        rows, mv, event = (views or [(None, None, None)])[0]  # a direct lane has no staging
         while True:
             unit = self.queue.get()
             clock.lap("wait")
@@ -39,7 +48,7 @@ class StoreLane(Lane):
                 continue
             self.finish(unit, failed)
 
-    def store(self, stream: Any, unit: Unit, rows: torch.Tensor, mv: memoryview, event: Any,
+    def store(self, stream: Any, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], event: Any,
               clock: StageClock) -> set[int]:
         run, f = self.run, self.file
         n = len(unit.block_ids)
@@ -54,15 +63,19 @@ class StoreLane(Lane):
         clock.lap("device")
         records: list[Any] = [None] * n
         failed: set[int] = set()
+        blocks = None if host is None else self.blocks(unit)
+        span = self.span(mv, blocks)
         for j0, j1 in units_of(unit.local):
             # Sealed right before its write, while the rows are still hot in the cache.
             for j in range(j0, j1):
                 run.records[unit.slots[j]] = None  # invalid until this write is known good
-                b = unit.block_ids[j] * payload
-                src = None if host is None else host[b : b + payload]
-                records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload, src)
+                if self.direct:  # the disk form is the block itself: seal only reads it
+                    records[j] = run.seal.seal(unit.slots[j], blocks[j], payload)
+                else:
+                    src = None if blocks is None else blocks[j]
+                    records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload, src)
             clock.lap("seal")
-            failed |= self.transfer(mv, unit, j0, j1)
+            failed |= self.transfer(span, unit, j0, j1)
             clock.lap("io")
         good = [j for j in range(n) if j not in failed]
         for j in good:

@@ -53,7 +53,7 @@ _FACTORY_KEYS = ("type", "module_path", "backpressure")
 # 8.6 -> 10.0-11.2 on four (docs/performance.md).
 TIER_IO_UNIT_BYTES = 4 * 2**20
 _KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
-         "io_threads", "io_unit_bytes", "named_file", "locality")
+         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io")
 _CLASSES: dict[str, type] = {}
 
 
@@ -78,6 +78,7 @@ class TierConfig:
     io_unit_bytes: int = TIER_IO_UNIT_BYTES
     named_file: bool = False
     locality: Optional[str] = None
+    direct_io: bool = True  # file IO straight into the primary's rows where O_DIRECT allows
 
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
@@ -109,7 +110,7 @@ class TierConfig:
                     raise ValueError(f"{key}={given[key]!r}: must be > 0")
         if "io_threads" in given:
             kw["io_threads"] = _int("io_threads", given["io_threads"], 1)
-        for key in ("use_page_cache", "encrypt", "checksums", "named_file"):
+        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io"):
             if key in given:
                 kw[key] = _bool(key, given[key])
         if "locality" in given:
@@ -174,7 +175,7 @@ class SlotTier:
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
             io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=os_calls,
-            device_impl=HostDevice(), **extra,
+            device_impl=HostDevice(cfg.direct_io), **extra,
         )
         self._jobs: dict[int, _Job] = {}
         self._finished: list[FinishedJob] = []  # ended without IO, not yet reported

@@ -16,7 +16,8 @@ was submitted, the slot it went to and where the fault log stood then. It checks
   ``lookup`` agrees; capacity is never exceeded;
 - after close no IO thread and no fd is left.
 
-Each program starts with a data fault armed, keys stored and loaded back.
+Each program starts with a data fault armed, keys stored and loaded back, with the tier's
+``direct_io`` on (reads straight into the rows) or off (staging), drawn.
 Default: 300 programs of up to 30 steps (derandomized under ``CI``, like the ci profile);
 ``HYPOTHESIS_PROFILE=soak`` runs the soak profile.
 """
@@ -113,12 +114,13 @@ class TierMachine(RuleBasedStateMachine):
 
     @initialize(slots=st.integers(3, 5), io_threads=st.integers(1, 2), encrypt=st.booleans(),
                 unit_rows=st.sampled_from([1, 2, 512]), seed=st.integers(0, 2**16),
-                first=st.tuples(st.sampled_from(FAULTS), st.integers(1, 3), st.booleans()))
-    def start(self, slots, io_threads, encrypt, unit_rows, seed, first):
+                first=st.tuples(st.sampled_from(FAULTS), st.integers(1, 3), st.booleans()),
+                direct_io=st.booleans())
+    def start(self, slots, io_threads, encrypt, unit_rows, seed, first, direct_io):
         self.primary = Primary(CHUNKS, ROW, seed)
         self.shadow = self.primary.rows.copy()  # what every row not being loaded into holds
         self.cfg = tier_config(self.dir, slots=slots, io_threads=io_threads, encrypt=encrypt,
-                               io_unit_bytes=unit_rows * ROW)
+                               io_unit_bytes=unit_rows * ROW, direct_io=direct_io)
         self._open()
         # Every program starts with a fault armed, keys stored and loaded back, so even a
         # short program moves data through faults.
