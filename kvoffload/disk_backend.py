@@ -244,12 +244,15 @@ class DiskBackend:
 
     def stats(self) -> dict[str, Any]:
         """Bytes moved to and from the slot files since init, how slots are sealed, the host
-        staging allocated (all IO threads), and the IO threads' seconds per stage and direction
-        (``wait``, ``device``, ``seal``, ``io``)."""
+        staging allocated (all IO threads), per direction whether every lane's file IO goes
+        straight to and from the blocks (``direct_io``: host blocks only), and the IO threads'
+        seconds per stage and direction (``wait``, ``device``, ``seal``, ``io``)."""
         run = self._require_run()
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
-                     "staging_bytes": sum(b.numel() * b.element_size() for b in run.pinned)}
+                     "staging_bytes": sum(b.numel() * b.element_size() for b in run.pinned),
+                     "direct_io": {lane: all(x.direct for x in run.lanes[is_store])
+                                   for lane, is_store in (("store", True), ("load", False))}}
         return {**moved, "stage_seconds": run.stage_seconds()}
 
     def _require_run(self) -> Run:

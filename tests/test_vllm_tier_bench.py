@@ -26,3 +26,33 @@ def test_tier_bench_moves_and_checks_every_byte(tmp_path, capsys) -> None:
     assert by["fs"]["files"] >= 30  # one file per chunk
     assert all(t["failed_jobs"] == 0 and t["load_gib_s"] > 0 for t in by.values())
     assert list(d.iterdir()) == []  # nothing left behind
+
+
+def test_fs_core_runs_vllms_fs_io_from_its_files_beside_the_tiers(tmp_path, capsys) -> None:
+    """fs-core reads the installed vLLM's fs files (what --fs-files reads from an unpacked wheel);
+    over this CPU-only torch its extension does not load, so both fs rows say Python."""
+    d = tmp_path / "d"
+    d.mkdir()
+    rc = bench.main(["--dir", str(d), "--gib", "0.02", "--chunk-mib", "1", "--primary-gib", "0.01",
+                     "--job-chunks", "4", "--no-raw", "--json", "--tiers", "kvoffload-direct,fs,fs-core"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    by = {t["tier"]: t for t in out["tiers"]}
+    assert set(by) == {"kvoffload-direct", "fs", "fs-core"}
+    assert by["fs"]["fs_io"] == by["fs-core"]["fs_io"] == out["fs_core"]["io"] == "Python"
+    assert out["fs_core"]["why_not_c"].startswith("ImportError")
+    assert by["fs-core"]["files"] == by["fs"]["files"] == 2 * 20 + 1  # a file per chunk and round, and config.json
+    assert {(r["kvoffload"], r["fs"]) for r in out["ratios"]} == {("kvoffload-direct", "fs"),
+                                                                 ("kvoffload-direct", "fs-core")}
+    assert list(d.iterdir()) == []
+
+
+def test_fs_core_sharded_gives_each_directory_its_own_tier(tmp_path, capsys) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    rc = bench.main(["--dir", str(dirs[0]), "--dir", str(dirs[1]), "--gib", "0.02", "--chunk-mib", "1",
+                     "--primary-gib", "0.01", "--job-chunks", "4", "--no-raw", "--json", "--tiers", "fs-core"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    assert [(t["tier"], t["dirs"], t["files"]) for t in out["tiers"]] == [("fs-core", 1, 41), ("fs-core sharded", 2, 42)]

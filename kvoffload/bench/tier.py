@@ -18,8 +18,13 @@ between them by the bench (vLLM itself would send every chunk to every tier).
 
 ``--tiers kvoffload-direct`` needs no vLLM: it drives kvoffload's ``SlotTier`` (the whole
 tier under the vLLM class) over an anonymous-memory primary with the same jobs, for
-hosts where vLLM cannot be installed (the GPU host here); its rows compare with the raw
-ceiling only.
+hosts where vLLM cannot be installed (the GPU host here). ``--tiers fs-core`` is vLLM's
+``fs`` tier there: its IO module, thread pool and compiled ``fs_io_C`` loaded from the
+vLLM 0.33 wheel's files (``--fs-wheel``, ``--fs-files``, or an installed vLLM) and driven
+as ``FileSystemTierManager`` drives them, on the same kind of primary
+(``kvoffload/bench/fs_core.py``); ``fs-core sharded`` is one per directory. Every ``fs``
+row says which IO path ran: ``C`` (the extension) or ``Python`` (its fallback, where the
+extension does not load, as over a CPU-only torch).
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
+from kvoffload.bench import fs_core
 from kvoffload.bench.ceilings import RawFile, Timed, sweep
-from kvoffload.vllm_tier import SlotTier
+from kvoffload.vllm_tier import SlotTier, TierConfig
 
 GiB = 2**30
 MiB = 2**20
@@ -103,7 +110,8 @@ class Driver:
         self.failed = 0
 
     def key(self, i: int) -> Any:
-        return self._key(i.to_bytes(8, "big"), 0)
+        # Hash-like keys, so fs spreads its files over its hash-named directories as for real prefixes.
+        return self._key(fs_core.block_hash(i), 0)
 
     def submit(self, tier: Any, job_id: int, keys: list, chunks: np.ndarray, is_store: bool) -> None:
         job = self._job(job_id=job_id, keys=keys, chunk_ids=chunks, is_promotion=not is_store,
@@ -137,7 +145,7 @@ class Driver:
 
 
 class DirectDriver(Driver):
-    """The same jobs straight into kvoffload's ``SlotTier``, without vLLM."""
+    """The same jobs straight into kvoffload's ``SlotTier`` or an ``FsCoreTier``, without vLLM."""
 
     def __init__(self, tiers: list, chunk_bytes: int) -> None:
         self.tiers, self.chunk_bytes = tiers, chunk_bytes
@@ -156,18 +164,21 @@ class DirectDriver(Driver):
 
 
 class DirectManager:
-    """What the bench needs of vLLM's tiering manager: a primary and the tiers, here one
-    ``SlotTier`` over anonymous memory."""
+    """What the bench needs of vLLM's tiering manager: a primary (page-aligned shared memory,
+    as vLLM's CPU tier) and the tiers ``make_tiers(primary)`` builds over it."""
 
-    def __init__(self, entry: dict, chunk_bytes: int, primary_chunks: int) -> None:
+    def __init__(self, make_tiers: Callable[[memoryview], list], chunk_bytes: int, primary_chunks: int) -> None:
         import mmap
-
-        from kvoffload.vllm_tier import TierConfig
 
         self._mem = mmap.mmap(-1, primary_chunks * chunk_bytes)
         self._view = memoryview(self._mem).cast("B", (primary_chunks, chunk_bytes))
         self.primary_tier = self
-        self.secondary_tiers = [SlotTier(self._view, TierConfig.from_tier_config(entry))]
+        self.secondary_tiers: list = []
+        try:
+            self.secondary_tiers = make_tiers(self._view)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def get_kv_memoryview(self) -> memoryview:
         return self._view
@@ -200,22 +211,54 @@ def drop_caches() -> str:
         return f"not possible: {e.strerror}"
 
 
+DIRECT_TIERS = ("kvoffload-direct", "fs-core")  # driven without vLLM
+
+
 def run_tier(name: str, entries: list[dict], workdirs: list[str], a: argparse.Namespace, n: int,
-             primary_chunks: int, chunk_bytes: int, seed: int) -> TierRun:
+             primary_chunks: int, chunk_bytes: int, seed: int, core: Optional[fs_core.FsCore] = None) -> TierRun:
     """Store ``n`` chunks through the tier(s), drop caches, load them back in waves; check."""
     run = TierRun(name, workdirs)
-    direct = name == "kvoffload-direct"
-    manager = DirectManager(entries[0], chunk_bytes, primary_chunks) if direct else \
-        build_manager(entries, chunk_bytes, primary_chunks)
+    direct = name.split()[0] in DIRECT_TIERS
+    if name == "kvoffload-direct":
+        manager = DirectManager(lambda view: [SlotTier(view, TierConfig.from_tier_config(entries[0]))],
+                                chunk_bytes, primary_chunks)
+    elif direct:
+        manager = DirectManager(lambda view: _fs_core_tiers(core, view, workdirs, a.fs_threads), chunk_bytes,
+                                primary_chunks)
+    else:
+        manager = build_manager(entries, chunk_bytes, primary_chunks)
     try:
         _store_and_load(run, manager, a, n, primary_chunks, chunk_bytes, seed, DirectDriver if direct else Driver)
-        for t in manager.secondary_tiers:  # kvoffload's: the seal its backend really ran with
+        for t in manager.secondary_tiers:  # kvoffload's: the seal and IO path its backend really ran with
             slot_tier = getattr(t, "slot_tier", t)
             if isinstance(slot_tier, SlotTier):
-                run.info["seal"] = slot_tier.backend.stats()["seal"]
+                stats = slot_tier.backend.stats()
+                run.info["seal"] = stats["seal"]
+                run.info["direct_io"] = stats["direct_io"]
+        if name.startswith("fs"):
+            run.info["fs_io"] = core.path_name if direct else _vllm_fs_io()
     finally:
         manager.shutdown()
     return run
+
+
+def _fs_core_tiers(core: fs_core.FsCore, view: memoryview, workdirs: list[str], threads: int) -> list:
+    tiers: list = []
+    try:
+        for w in workdirs:
+            tiers.append(fs_core.FsCoreTier(core, view, w, threads, threads))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+def _vllm_fs_io() -> str:
+    """Which IO path vLLM's own fs tier runs in this process."""
+    from vllm.v1.kv_offload.tiering.fs import io
+
+    return "C" if io._HAS_FSIO_C else "Python"
 
 
 def _store_and_load(run: TierRun, manager: Any, a: argparse.Namespace, n: int, primary_chunks: int,
@@ -282,10 +325,19 @@ def bench(a: argparse.Namespace) -> dict:
                           "qd": t.detail["qd"]} for k, t in raw.items()}
         print(f"raw over {len(dirs)} dir(s): " + ", ".join(f"{k} {t.gib_s:.2f} GiB/s (qd {t.detail['qd']})"
                                                           for k, t in raw.items()), file=sys.stderr)
+    sharded = len(dirs) > 1
     cases = [("kvoffload", len(dirs)), ("kvoffload-direct", len(dirs)), ("fs", 1)] + (
-        [("fs sharded", len(dirs))] if len(dirs) > 1 else [])
+        [("fs sharded", len(dirs))] if sharded else []) + [("fs-core", 1)] + (
+        [("fs-core sharded", len(dirs))] if sharded else [])
+    wanted = a.tiers.split(",")
+    core = None
+    if "fs-core" in wanted:
+        core = fs_core.load(a.fs_wheel, a.fs_files)
+        out["fs_core"] = {"source": core.source, "io": core.path_name, "why_not_c": core.ext_error}
+        print(f"fs-core: vLLM's fs IO from {core.source}: {core.path_name} path"
+              + (f" ({core.ext_error})" if core.ext_error else ""), file=sys.stderr)
     for name, ndirs in cases:
-        if name.split()[0] not in a.tiers.split(","):
+        if name.split()[0] not in wanted:
             continue
         workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
         try:
@@ -297,12 +349,13 @@ def bench(a: argparse.Namespace) -> dict:
                     entry["io_threads"] = a.io_threads
                 if a.io_unit_mib:
                     entry["io_unit_bytes"] = int(a.io_unit_mib * MiB)
-                entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3")
+                entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3",
+                             direct_io=a.direct_io == "on")
                 entries = [entry]
             else:
                 entries = [{"type": "fs", "root_dir": w, "n_read_threads": a.fs_threads,
                             "n_write_threads": a.fs_threads} for w in workdirs]
-            r = run_tier(name, entries, workdirs, a, n, primary_chunks, chunk_bytes, a.seed)
+            r = run_tier(name, entries, workdirs, a, n, primary_chunks, chunk_bytes, a.seed, core)
         finally:
             for w in workdirs:
                 shutil.rmtree(w, ignore_errors=True)
@@ -322,7 +375,20 @@ def bench(a: argparse.Namespace) -> dict:
     by = {t["tier"]: t for t in out["tiers"]}
     if "kvoffload" in by and "fs" in by and by["fs"]["load_gib_s"]:
         out["kvoffload_load_over_fs"] = round(by["kvoffload"]["load_gib_s"] / by["fs"]["load_gib_s"], 2)
+    out["ratios"] = ratios(out["tiers"])
     out["ok"] = all(t["verified"] for t in out["tiers"])
+    return out
+
+
+def ratios(tiers: list[dict]) -> list[dict]:
+    """Each kvoffload row over each fs row on as many directories: store, again, load."""
+    out = []
+    for k in tiers:
+        for f in tiers:
+            if k["tier"].startswith("kvoffload") and f["tier"].startswith("fs") and k["dirs"] == f["dirs"]:
+                out.append({"kvoffload": k["tier"], "fs": f["tier"], "fs_io": f.get("fs_io"), "dirs": k["dirs"],
+                            **{m: round(k[f"{m}_gib_s"] / f[f"{m}_gib_s"], 2) if f[f"{m}_gib_s"] else None
+                               for m in ("store", "store_again", "load")}})
     return out
 
 
@@ -331,22 +397,34 @@ def table(out: dict) -> str:
     lines = [f"tier bench: {gib:.2f} GiB in {out['chunks']} chunks of {out['chunk_bytes'] // 1024} KiB, "
              f"{out['job_chunks']} chunks a job, primary {out['primary_chunks']} chunks, kvoffload seal {out['seal']}; "
              f"dirs {', '.join(out['dirs'])}"]
-    head = (f"{'tier':<12} {'dirs':>4} {'store GiB/s':>11} {'again':>6} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
+    head = (f"{'tier':<30} {'dirs':>4} {'store GiB/s':>11} {'again':>6} {'load GiB/s':>10} {'store CPU s/GiB':>15} "
             f"{'load CPU s/GiB':>14} {'load/raw':>8} {'files':>7}  check")
     lines += [head, "-" * len(head)]
     for k, r in out.get("raw", {}).items():
         rate = f"{r['gib_s']:11.2f} {'':>6} {'':>10}" if k == "direct-write" else f"{'':>11} {'':>6} {r['gib_s']:10.2f}"
-        lines.append(f"{'raw ' + k.split('-')[1]:<12} {len(out['dirs']):>4} {rate} {'':>15} {'':>14} {'':>8} "
+        lines.append(f"{'raw ' + k.split('-')[1]:<30} {len(out['dirs']):>4} {rate} {'':>15} {'':>14} {'':>8} "
                      f"{'':>7}  qd {r['qd']}")
     for t in out["tiers"]:
         ratio = "" if t["load_of_raw_read"] is None else f"{t['load_of_raw_read']:.2f}"
-        lines.append(f"{t['tier']:<12} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['store_again_gib_s']:6.2f} "
+        lines.append(f"{label(t):<30} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['store_again_gib_s']:6.2f} "
                      f"{t['load_gib_s']:10.2f} "
                      f"{t['store_cpu_s_per_gib']:15.3f} {t['load_cpu_s_per_gib']:14.3f} {ratio:>8} {t['files']:>7}  "
                      f"{'ok' if t['verified'] else 'FAIL'}")
     if "kvoffload_load_over_fs" in out:
         lines.append(f"kvoffload load / fs load: {out['kvoffload_load_over_fs']:.2f}x")
+    for r in out.get("ratios", []):
+        x = {m: "-" if r[m] is None else f"{r[m]:.2f}x" for m in ("store", "store_again", "load")}
+        lines.append(f"{r['kvoffload']} / {r['fs']} ({r['fs_io']}), {r['dirs']} dir(s): store {x['store']}, "
+                     f"again {x['store_again']}, load {x['load']}")
     return "\n".join(lines)
+
+
+def label(t: dict) -> str:
+    """The row's tier, with the IO path an fs row ran, or whether kvoffload's loads read straight into
+    the primary's rows or through staging."""
+    if "fs_io" in t:
+        return f"{t['tier']} ({t['fs_io']})"
+    return f"{t['tier']} ({'into rows' if t['direct_io']['load'] else 'staged'})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,13 +437,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-chunks", type=int, default=16, help="chunks per submit_store / submit_load job (16)")
     p.add_argument("--primary-gib", type=float, default=1.0, help="GiB of CPU primary; loads go in waves of it (1)")
     p.add_argument("--tiers", default="kvoffload,fs",
-                   help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM)")
+                   help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM), fs-core "
+                        "(vLLM's fs IO core from its wheel's files, without vLLM)")
     p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
     p.add_argument("--io-unit-mib", type=float, default=None,
                    help="kvoffload io_unit_bytes in MiB (default: the tier's)")
     p.add_argument("--seal", choices=("aes-gcm", "xxh3", "off"), default="aes-gcm",
                    help="how kvoffload's tier seals a slot: aes-gcm (its default: encrypted), xxh3 (checksums), off")
+    p.add_argument("--direct-io", choices=("on", "off"), default="on",
+                   help="kvoffload's file IO straight into the primary's rows where aligned (on, its default) or "
+                        "through staging (off)")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--fs-wheel", metavar="WHL", help="fs-core: the vLLM 0.33 wheel to read the fs tier's IO from")
+    src.add_argument("--fs-files", metavar="DIR", help="fs-core: a directory the wheel's fs files were unpacked into "
+                   f"(its paths kept: {fs_core.IO_PY}, {fs_core.POOL_PY}, {fs_core.EXT_SO})")
     p.add_argument("--raw-seconds", type=float, default=0.5, help="seconds per raw queue depth (0.5)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT ceilings")
     p.add_argument("--seed", type=int, default=0)
