@@ -78,7 +78,7 @@ class TierConfig:
     io_unit_bytes: int = TIER_IO_UNIT_BYTES
     named_file: bool = False
     locality: Optional[str] = None
-    direct_io: bool = True  # file IO straight into the primary's rows where O_DIRECT allows
+    direct_io: bool = False  # file IO straight into the primary's rows where O_DIRECT allows (DIRECT_IO note)
 
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":

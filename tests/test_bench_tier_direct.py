@@ -23,17 +23,20 @@ def test_direct_tier_round_trip_verifies_every_byte(capsys, tmp_path, seal):
     assert row["tier"] == "kvoffload-direct" and row["verified"] and row["failed_jobs"] == 0
     assert row["seal"] == seal
     assert row["store_gib_s"] > 0 and row["store_again_gib_s"] > 0 and row["load_gib_s"] > 0 and row["files"] == 0
-    # Page-aligned 2 MiB rows: loads read straight into them; only checksums are stored from them.
-    assert row["direct_io"] == {"store": seal != "aes-gcm", "load": True}
+    assert row["direct_io"] == {"store": False, "load": False}  # the tier's default: staging
     assert os.listdir(d) == []
 
 
-def test_direct_io_off_stages_every_byte(capsys, tmp_path):
+@pytest.mark.parametrize("seal", ["aes-gcm", "xxh3"])
+def test_direct_io_both_gives_a_row_per_pass_order(capsys, tmp_path, seal):
     rc = tier.main(["--dir", str(tmp_path), "--gib", "0.02", "--primary-gib", "0.01", "--tiers", "kvoffload-direct",
-                    "--no-raw", "--json", "--direct-io", "off"])
+                    "--no-raw", "--json", "--direct-io", "both", "--seal", seal])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["ok"] and out["tiers"][0]["direct_io"] == {"store": False, "load": False}
-    assert "kvoffload-direct (staged)" in tier.table(out)
+    assert rc == 0 and out["ok"]
+    # Page-aligned 2 MiB rows: with direct_io, loads read straight into them; only checksums are stored from them.
+    assert [t["direct_io"] for t in out["tiers"]] == [{"store": False, "load": False},
+                                                      {"store": seal == "xxh3", "load": True}]
+    assert [tier.label(t) for t in out["tiers"]] == ["kvoffload-direct (staged)", "kvoffload-direct (into rows)"]
 
 
 def test_missing_dir_is_one_clear_line(tmp_path):

@@ -42,8 +42,8 @@ def test_fs_core_runs_vllms_fs_io_from_its_files_beside_the_tiers(tmp_path, caps
     assert by["fs"]["fs_io"] == by["fs-core"]["fs_io"] == out["fs_core"]["io"] == "Python"
     assert out["fs_core"]["why_not_c"].startswith("ImportError")
     assert by["fs-core"]["files"] == by["fs"]["files"] == 2 * 20 + 1  # a file per chunk and round, and config.json
-    assert {(r["kvoffload"], r["fs"]) for r in out["ratios"]} == {("kvoffload-direct", "fs"),
-                                                                 ("kvoffload-direct", "fs-core")}
+    assert {(r["kvoffload"], r["fs"]) for r in out["ratios"]} == {("kvoffload-direct (staged)", "fs (Python)"),
+                                                                 ("kvoffload-direct (staged)", "fs-core (Python)")}
     assert list(d.iterdir()) == []
 
 

@@ -43,7 +43,9 @@ class Primary:
 
 
 def tier_config(d, row: int = ROW, slots: int = 8, **kw) -> TierConfig:
-    return TierConfig.from_tier_config({"disk_path": str(d / "kv.bin"), "disk_capacity_bytes": slots * row, **kw})
+    """A tier with ``direct_io`` on unless ``kw`` says otherwise (the tier's default is off)."""
+    return TierConfig.from_tier_config({"disk_path": str(d / "kv.bin"), "disk_capacity_bytes": slots * row,
+                                        "direct_io": True, **kw})
 
 
 def finish(tier: SlotTier) -> dict:
@@ -88,17 +90,20 @@ def test_loads_read_into_the_rows_and_stores_copy_only_ciphertext(cache_dir, fau
 
 
 @pytest.mark.parametrize("why, row, skew, cfg", [
-    ("row not a multiple of the alignment", 6144, 0, {}),
-    ("primary not page-aligned", ROW, 512, {}),
-    ("page cache", ROW, 0, {"use_page_cache": True}),
+    ("row not a multiple of the alignment", 6144, 0, {"direct_io": True}),
+    ("primary not page-aligned", ROW, 512, {"direct_io": True}),
+    ("page cache", ROW, 0, {"use_page_cache": True, "direct_io": True}),
     ("direct_io off", ROW, 0, {"direct_io": False}),
+    ("the tier's default", ROW, 0, {}),
 ])
 @pytest.mark.parametrize("seal", ["aes-gcm", "xxh3"])
 def test_the_staging_path_where_the_direct_one_does_not_apply(cache_dir, faulty_os, why, row, skew, cfg,
                                                               seal) -> None:
     p = Primary(row, skew)
     seen = record_buffers(faulty_os, p)
-    t = SlotTier(p.view, tier_config(cache_dir, row, **cfg, **SEALS[seal]), os_calls=faulty_os)
+    given = TierConfig.from_tier_config({"disk_path": str(cache_dir / "kv.bin"), "disk_capacity_bytes": 8 * row,
+                                         **cfg, **SEALS[seal]})
+    t = SlotTier(p.view, given, os_calls=faulty_os)
     try:
         want = p.rows[[0, 1]].copy()
         t.submit_store(1, ["a", "b"], [0, 1])

@@ -326,9 +326,11 @@ def bench(a: argparse.Namespace) -> dict:
         print(f"raw over {len(dirs)} dir(s): " + ", ".join(f"{k} {t.gib_s:.2f} GiB/s (qd {t.detail['qd']})"
                                                           for k, t in raw.items()), file=sys.stderr)
     sharded = len(dirs) > 1
-    cases = [("kvoffload", len(dirs)), ("kvoffload-direct", len(dirs)), ("fs", 1)] + (
-        [("fs sharded", len(dirs))] if sharded else []) + [("fs-core", 1)] + (
-        [("fs-core sharded", len(dirs))] if sharded else [])
+    # kvoffload's rows once per --direct-io setting (None: the tier's default), in one run with fs's.
+    settings = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.direct_io]
+    cases = [(k, len(dirs), d) for k in ("kvoffload", "kvoffload-direct") for d in settings] + [("fs", 1, None)] + (
+        [("fs sharded", len(dirs), None)] if sharded else []) + [("fs-core", 1, None)] + (
+        [("fs-core sharded", len(dirs), None)] if sharded else [])
     wanted = a.tiers.split(",")
     core = None
     if "fs-core" in wanted:
@@ -336,7 +338,7 @@ def bench(a: argparse.Namespace) -> dict:
         out["fs_core"] = {"source": core.source, "io": core.path_name, "why_not_c": core.ext_error}
         print(f"fs-core: vLLM's fs IO from {core.source}: {core.path_name} path"
               + (f" ({core.ext_error})" if core.ext_error else ""), file=sys.stderr)
-    for name, ndirs in cases:
+    for name, ndirs, direct_io in cases:
         if name.split()[0] not in wanted:
             continue
         workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
@@ -349,8 +351,9 @@ def bench(a: argparse.Namespace) -> dict:
                     entry["io_threads"] = a.io_threads
                 if a.io_unit_mib:
                     entry["io_unit_bytes"] = int(a.io_unit_mib * MiB)
-                entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3",
-                             direct_io=a.direct_io == "on")
+                entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3")
+                if direct_io is not None:
+                    entry["direct_io"] = direct_io
                 entries = [entry]
             else:
                 entries = [{"type": "fs", "root_dir": w, "n_read_threads": a.fs_threads,
@@ -359,9 +362,6 @@ def bench(a: argparse.Namespace) -> dict:
         finally:
             for w in workdirs:
                 shutil.rmtree(w, ignore_errors=True)
-        print(f"{name}: store {r.store.gib_s:.2f} GiB/s, again {r.store_again.gib_s:.2f}, load {r.load.gib_s:.2f} "
-              f"GiB/s, files {r.files}, "
-              f"{'ok' if r.verified else 'FAIL'}", file=sys.stderr)
         raw_read = out.get("raw", {}).get("direct-read", {}).get("gib_s")
         out["tiers"].append({
             "tier": name, "dirs": len(workdirs),
@@ -372,6 +372,8 @@ def bench(a: argparse.Namespace) -> dict:
             "load_of_raw_read": round(r.load.gib_s / raw_read, 3) if raw_read else None,
             "files": r.files, "failed_jobs": r.failed_jobs, "verified": r.verified, **r.info,
         })
+        print(f"{label(out['tiers'][-1])}: store {r.store.gib_s:.2f} GiB/s, again {r.store_again.gib_s:.2f}, load "
+              f"{r.load.gib_s:.2f} GiB/s, files {r.files}, {'ok' if r.verified else 'FAIL'}", file=sys.stderr)
     by = {t["tier"]: t for t in out["tiers"]}
     if "kvoffload" in by and "fs" in by and by["fs"]["load_gib_s"]:
         out["kvoffload_load_over_fs"] = round(by["kvoffload"]["load_gib_s"] / by["fs"]["load_gib_s"], 2)
@@ -386,7 +388,7 @@ def ratios(tiers: list[dict]) -> list[dict]:
     for k in tiers:
         for f in tiers:
             if k["tier"].startswith("kvoffload") and f["tier"].startswith("fs") and k["dirs"] == f["dirs"]:
-                out.append({"kvoffload": k["tier"], "fs": f["tier"], "fs_io": f.get("fs_io"), "dirs": k["dirs"],
+                out.append({"kvoffload": label(k), "fs": label(f), "fs_io": f.get("fs_io"), "dirs": k["dirs"],
                             **{m: round(k[f"{m}_gib_s"] / f[f"{m}_gib_s"], 2) if f[f"{m}_gib_s"] else None
                                for m in ("store", "store_again", "load")}})
     return out
@@ -414,7 +416,7 @@ def table(out: dict) -> str:
         lines.append(f"kvoffload load / fs load: {out['kvoffload_load_over_fs']:.2f}x")
     for r in out.get("ratios", []):
         x = {m: "-" if r[m] is None else f"{r[m]:.2f}x" for m in ("store", "store_again", "load")}
-        lines.append(f"{r['kvoffload']} / {r['fs']} ({r['fs_io']}), {r['dirs']} dir(s): store {x['store']}, "
+        lines.append(f"{r['kvoffload']} / {r['fs']}, {r['dirs']} dir(s): store {x['store']}, "
                      f"again {x['store_again']}, load {x['load']}")
     return "\n".join(lines)
 
@@ -444,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvoffload io_unit_bytes in MiB (default: the tier's)")
     p.add_argument("--seal", choices=("aes-gcm", "xxh3", "off"), default="aes-gcm",
                    help="how kvoffload's tier seals a slot: aes-gcm (its default: encrypted), xxh3 (checksums), off")
-    p.add_argument("--direct-io", choices=("on", "off"), default="on",
-                   help="kvoffload's file IO straight into the primary's rows where aligned (on, its default) or "
-                        "through staging (off)")
+    p.add_argument("--direct-io", choices=("on", "off", "both"), default=None,
+                   help="kvoffload's direct_io: file IO straight between the slot file and the primary's rows where "
+                        "aligned (on), or through staging (off), or a row of each (both); default: the tier's (off)")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--fs-wheel", metavar="WHL", help="fs-core: the vLLM 0.33 wheel to read the fs tier's IO from")
