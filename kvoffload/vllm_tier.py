@@ -78,7 +78,12 @@ class TierConfig:
     io_unit_bytes: int = TIER_IO_UNIT_BYTES
     named_file: bool = False
     locality: Optional[str] = None
-    direct_io: bool = False  # file IO straight into the primary's rows where O_DIRECT allows (DIRECT_IO note)
+    # File IO straight between the slot file and the primary's rows where O_DIRECT allows. Off:
+    # AES-GCM loads measured faster read into staging and opened into the row than read into the
+    # row and opened in place (2-core dev VM, scripts/probe_tier_direct.py, 2 MiB chunks: tmpfs
+    # O_DIRECT 5.14 against 4.27 GiB/s, a loop RAM drive 4.88 against 4.30, the virtio disk 1.34
+    # against 1.18; docs/vllm_tiering.md). xxh3 loads measured a tie.
+    direct_io: bool = False
 
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
