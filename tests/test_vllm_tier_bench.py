@@ -56,3 +56,24 @@ def test_fs_core_sharded_gives_each_directory_its_own_tier(tmp_path, capsys) -> 
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["ok"]
     assert [(t["tier"], t["dirs"], t["files"]) for t in out["tiers"]] == [("fs-core", 1, 41), ("fs-core sharded", 2, 42)]
+
+
+def test_fs_dirs_all_runs_only_the_sharded_fs_rows(tmp_path, capsys) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    rc = bench.main(["--dir", str(dirs[0]), "--dir", str(dirs[1]), "--gib", "0.01", "--chunk-mib", "1",
+                     "--primary-gib", "0.01", "--no-raw", "--json", "--tiers", "fs,fs-core", "--fs-dirs", "all"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [t["tier"] for t in out["tiers"]] == ["fs sharded", "fs-core sharded"]
+
+
+def test_sharded_loads_find_each_key_in_its_tier_whatever_the_wave_size(tmp_path, capsys) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    # 9 chunks of primary: the second load wave starts at key 9, an odd place in the stores' order.
+    rc = bench.main(["--dir", str(dirs[0]), "--dir", str(dirs[1]), "--gib", "0.02", "--chunk-mib", "1",
+                     "--primary-gib", str(9 / 1024), "--no-raw", "--json", "--tiers", "fs-core", "--fs-dirs", "all"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["primary_chunks"] == 9 and out["tiers"][0]["failed_jobs"] == 0 and out["ok"]

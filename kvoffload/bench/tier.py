@@ -126,7 +126,8 @@ class Driver:
         """Submit ``keys`` (with primary rows ``chunks``) in jobs of ``per_job``; wait for all."""
         pending: dict[int, Any] = {}
         for t, tier in enumerate(self.tiers):
-            mine = list(range(t, len(keys), len(self.tiers)))
+            # By key, not by place in the list: a load wave must find each key in the tier that stored it.
+            mine = [j for j, k in enumerate(keys) if k % len(self.tiers) == t]
             for s in range(0, len(mine), per_job):
                 part = mine[s:s + per_job]
                 pending[self._next_id] = tier
@@ -328,9 +329,12 @@ def bench(a: argparse.Namespace) -> dict:
     sharded = len(dirs) > 1
     # kvoffload's rows once per --direct-io setting (None: the tier's default), in one run with fs's.
     settings = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.direct_io]
-    cases = [(k, len(dirs), d) for k in ("kvoffload", "kvoffload-direct") for d in settings] + [("fs", 1, None)] + (
-        [("fs sharded", len(dirs), None)] if sharded else []) + [("fs-core", 1, None)] + (
-        [("fs-core sharded", len(dirs), None)] if sharded else [])
+    cases = [(k, len(dirs), d) for k in ("kvoffload", "kvoffload-direct") for d in settings]
+    for f in ("fs", "fs-core"):
+        if not sharded or a.fs_dirs != "all":
+            cases.append((f, 1, None))
+        if sharded and a.fs_dirs != "first":
+            cases.append((f"{f} sharded", len(dirs), None))
     wanted = a.tiers.split(",")
     core = None
     if "fs-core" in wanted:
@@ -452,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvoffload's direct_io: file IO straight between the slot file and the primary's rows where "
                         "aligned (on), or through staging (off), or a row of each (both); default: the tier's (off)")
     p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
+    p.add_argument("--fs-dirs", choices=("first", "all", "both"), default="both",
+                   help="with several --dir: fs and fs-core on the first only, one tier per --dir (the 'sharded' "
+                        "rows; each tier its own threads), or both (default); fs writes each round to new files")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--fs-wheel", metavar="WHL", help="fs-core: the vLLM 0.33 wheel to read the fs tier's IO from")
     src.add_argument("--fs-files", metavar="DIR", help="fs-core: a directory the wheel's fs files were unpacked into "
