@@ -18,6 +18,7 @@
 #   small4    4 drives, 256 KiB chunks, 4 GiB          small1       1 drive, 256 KiB chunks, 3 GiB
 #   disk      the machine's own disk (the current directory), 2 MiB chunks, 4 GiB
 # Each case has a hard limit (LIMIT_S, 150 s); <case>.json, <case>.log, env.txt and steps.txt go to $OUT.
+# DRIVE_GIB (15) sizes the drives; the cases' sizes assume 15.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,6 +27,7 @@ PY=${PYTHON:-python3}
 : "${FS_FILES:?set FS_FILES to the unpacked vLLM 0.33.0 fs files (see the top of this script)}"
 mkdir -p "$OUT"
 LIMIT_S=${LIMIT_S:-150}
+DRIVE_GIB=${DRIVE_GIB:-15}
 
 QUICK=0
 if [ "${1:-}" = "--quick" ]; then
@@ -50,7 +52,7 @@ for i in 0 1 2 3; do
         continue
     fi
     IMAGES+=("/dev/shm/kvt-d$i.img")
-    fallocate -l 15G "/dev/shm/kvt-d$i.img" || exit 1
+    fallocate -l "${DRIVE_GIB}G" "/dev/shm/kvt-d$i.img" || exit 1
     LOOPS+=("$(losetup -f --show "/dev/shm/kvt-d$i.img")") || exit 1
     mkfs.ext4 -q -F -m 0 -E lazy_itable_init=0,lazy_journal_init=0 "${LOOPS[-1]}" || exit 1
     mkdir -p "/mnt/kvt-d$i" && DRIVES+=("/mnt/kvt-d$i") && mount "${LOOPS[-1]}" "/mnt/kvt-d$i" || exit 1
