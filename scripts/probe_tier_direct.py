@@ -82,12 +82,48 @@ def cipher_alone(seal, chunk: int, seconds: float) -> None:
                 for k, c in zip(kinds, counts)]
 
     alone = run(["counter"])[0]
+    during_one_call(seal)
     print(f"cipher alone, {chunk // 1024} KiB in cache, each after a copy of the ciphertext (the read's stand-in):")
     for kind in ("open_block", "open into row"):
         one_t, two_t = sum(run([kind])), sum(run([kind, kind]))
         beside = run([kind, "counter"])[1]
         print(f"  {kind:<14} 1 thread {one_t:6.2f} GiB/s, 2 threads {two_t:6.2f}; a Python counter beside one "
               f"thread {beside / 1e6:5.2f} M/s (alone {alone / 1e6:5.2f})")
+
+
+def during_one_call(seal, size: int = 256 * MiB) -> None:
+    """How far a pure-Python counter gets while another thread is inside one call on ``size``
+    bytes: nowhere if the call holds the GIL (``bytes()`` of a buffer, for reference), as far
+    as the cores allow if it releases it. Needs no free core, unlike a 1-against-2-thread rate."""
+    row = memoryview(bytearray(size + 16))
+    record = seal.seal(0, row, size)
+    sealed = bytes(row[:size])
+    block = memoryview(bytearray(size))
+    calls = {
+        "open_block": lambda: seal.open_block(0, block, record),
+        "open into row": lambda: seal.open(0, row, size, record, block),
+        "bytes() copy": lambda: bytes(block),
+    }
+    print(f"a Python counter while another thread is inside one {size // MiB} MiB call:")
+    for name, call in calls.items():
+        block[:] = sealed  # open_block decrypts in place: give it the ciphertext again
+        stop, count, inside = threading.Event(), [0], threading.Event()
+
+        def counter() -> None:
+            inside.wait()
+            while not stop.is_set():
+                count[0] += 1
+
+        t = threading.Thread(target=counter)
+        t.start()
+        inside.set()
+        time.sleep(0.01)  # the counter is running
+        c0, t0 = count[0], time.perf_counter()
+        call()
+        dt, counted = time.perf_counter() - t0, count[0] - c0
+        stop.set()
+        t.join()
+        print(f"  {name:<14} {dt * 1e3:6.1f} ms, counter +{counted} ({counted / dt / 1e6:.2f} M/s)")
 
 
 class Source:
