@@ -161,9 +161,9 @@ class AesGcmSeal:
         # Same key, nonce, associated data and tag as seal: any sealed slot opens here.
         nonce, tag = record
         n = len(block)
-        # update_into's output must hold len(data) + block size - 1 bytes (the documented
-        # rule; 50.x asks only len(data) for GCM, a stream mode): all but the last 16 bytes
-        # decrypt in place with the block's own last 16 as room, those 16 through `tail`.
+        # update_into's output must hold len(data) + block size - 1 bytes: len(data) + 15 for
+        # AES's 16 (50.x counts GCM's block size as 1): all but the last 16 bytes decrypt in
+        # place with the block's own last 16 as room, those 16 through `tail`.
         body = max(0, n - TAG_BYTES)
         tail = bytearray(2 * TAG_BYTES - 1)
         ok = False
