@@ -197,3 +197,24 @@ def test_a_read_hung_past_shutdown_leaves_its_rows_zeroed(cache_dir, faulty_os) 
     others = [r for r in range(CHUNKS) if r not in (8, 9)]
     assert np.array_equal(p.rows[others], before[others])
     assert t.poll() == []  # never reported twice
+
+
+def test_at_rest_direct_io_changes_nothing(cache_dir) -> None:
+    """Ciphertext only, nothing named, nothing left: as without direct_io."""
+    p = Primary()
+    t = SlotTier(p.view, tier_config(cache_dir))
+    try:
+        t.submit_store(1, ["a", "b"], [0, 1])
+        assert finish(t)[1].success
+        f = t.backend.files[0]
+        with open(f"/proc/self/fd/{f.fd}", "rb") as fh:  # what the disk holds, read past O_DIRECT
+            disk = fh.read(2 * f.slot_bytes)
+        assert len(disk) == 2 * ROW and any(disk)
+        assert all(p.rows[r].tobytes()[i:i + 64] not in disk for r in (0, 1) for i in (0, ROW // 2, ROW - 64))
+        p.rows[4:6] = 0
+        t.submit_load(2, ["a", "b"], [4, 5])
+        assert finish(t)[2].success and np.array_equal(p.rows[4:6], p.rows[0:2])
+        assert list(cache_dir.iterdir()) == []
+    finally:
+        t.close()
+    assert list(cache_dir.iterdir()) == []
