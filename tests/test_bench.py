@@ -236,3 +236,28 @@ def test_an_interrupt_leaves_no_measurement_thread_running():
     with pytest.raises(KeyboardInterrupt):
         run_all_threads(threads, start, halt, interrupted)
     assert not any(t.is_alive() for t in threads) and halt.is_set() and start.broken
+
+
+def test_engine_group_reports_both_ratios_per_case(capsys, tmp_path):
+    # Goal: --only engine runs the worker-shaped steps on both paths, directions and
+    # drive sets, every case with its two ratios, their spread, its repeats and no
+    # failed job, and nothing else (no disk cases, no probe); no file is left.
+    out = run_quick(capsys, tmp_path, "--only", "engine", "--engine-shares", "0.5")
+    assert out["ok"] and out["cases"] == []
+    got = {(r["path"], r["direction"], r["drives"]) for r in out["engine"]}
+    assert got == {(p, d, n) for p in ("gpu", "tier") for d in ("load", "store") for n in (1, 2)}
+    for r in out["engine"]:
+        assert r["share"] == 0.5 and r["repeats"] == 2 and r["failed_jobs"] == 0, r
+        assert r["gib_s_busy"] > 0 and r["gib_s_ref"] > 0 and r["python_ms_alone"] > 0, r
+        lo, hi = r["engine_step_ratio_spread"]
+        assert 0 < lo == r["engine_step_ratio"] <= r["engine_step_ratio_median"] <= hi, r
+        lo, hi = r["bandwidth_ratio_spread"]
+        assert 0 < lo <= r["bandwidth_ratio_median"] <= hi == r["bandwidth_ratio"], r
+        assert len(r["detail"]["gib_s_busy"]) == r["repeats"]
+
+
+@pytest.mark.parametrize("flag, value", [("--engine-shares", "0"), ("--engine-shares", "1.5"),
+                                         ("--engine-shares", "x"), ("--engine-paths", "gpu,disk")])
+def test_engine_flags_are_checked(flag, value):
+    with pytest.raises(SystemExit, match=flag):
+        bench.config_from(bench.build_parser().parse_args([flag, value]))
