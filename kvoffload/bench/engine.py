@@ -208,16 +208,22 @@ class Driver:
         slots = self.rng.choice(n, self.job_blocks, replace=False).tolist()
         return blocks, slots
 
-    def segment(self, iters: int, gpu_s: float, seconds: float, launch: bool) -> Segment:
+    def segment(self, iters: int, seconds: float, launch: bool) -> Segment:
+        """Steps of ``STEP_S`` for ``seconds``: ``iters`` of Python, the rest of the step with
+        the GIL released (none if the Python overran it), then poll and launch. A step's
+        length does not depend on the Python, so every segment launches at the same pace."""
         steps, py, done = 0, 0.0, 0
         t0 = time.perf_counter()
         end = t0 + seconds
         while True:
             a = time.perf_counter()
-            spin(iters) if iters else None
+            if iters:
+                spin(iters)
             b = time.perf_counter()
             py += b - a
-            time.sleep(gpu_s)
+            rest = a + STEP_S - b
+            if rest > 0:
+                time.sleep(rest)
             if launch:
                 c = time.perf_counter()
                 done += self.path.poll(self.is_store)
@@ -241,7 +247,6 @@ class Driver:
 def run_case(driver: Driver, share: float, seconds: float, min_repeats: int, max_repeats: int, tol: float,
              iters_per_s: float) -> EngineCaseResult:
     iters = int(iters_per_s * share * STEP_S)
-    gpu_s = (1 - share) * STEP_S
     step_r, bw_r, segs = [], [], []
     launch0, failed0 = driver.launch_s, driver.path.failed
     launched_steps = 0
@@ -250,12 +255,7 @@ def run_case(driver: Driver, share: float, seconds: float, min_repeats: int, max
         kinds = kinds[r % 3:] + kinds[:r % 3]
         got = {}
         for k in kinds:
-            if k == "alone":
-                got[k] = driver.segment(iters, gpu_s, seconds, launch=False)
-            elif k == "busy":
-                got[k] = driver.segment(iters, gpu_s, seconds, launch=True)
-            else:
-                got[k] = driver.segment(0, STEP_S, seconds, launch=True)
+            got[k] = driver.segment(0 if k == "ref" else iters, seconds, launch=k != "alone")
             if k != "alone":
                 launched_steps += got[k].steps
         segs.append(got)
@@ -291,6 +291,8 @@ class EngineConfig:
     dirs: list[str]  # one directory per drive
     tensor_bytes: tuple[int, ...]
     footprint_bytes: int  # device blocks (and slots) per path
+    # One job per direction per step, as vLLM's worker launches: large enough that the
+    # backend, not the launch pattern, sets the pace of the ref segment.
     job_bytes: int
     depth: int  # jobs in flight per direction at most
     seconds: float  # per segment
@@ -313,7 +315,7 @@ def drive_sets(dirs: list[str]) -> list[list[str]]:
 def run_engine_group(cfg: EngineConfig, log: Callable[[str], None]) -> list[EngineCaseResult]:
     block_bytes = sum(cfg.tensor_bytes)
     num_blocks = max(2, cfg.footprint_bytes // block_bytes)
-    job_blocks = max(1, min(num_blocks // 2, cfg.job_bytes // block_bytes))
+    job_blocks = max(1, min(num_blocks // (cfg.depth + 1), cfg.job_bytes // block_bytes))
     iters_per_s = calibrate(0.01) / 0.01
     log(f"engine: {num_blocks} blocks of {block_bytes} B, jobs of {job_blocks} blocks, <= {cfg.depth} in flight, "
         f"steps of {STEP_S * 1e3:.0f} ms, segments of {cfg.seconds:g} s; spin calibrated at {iters_per_s:.3g} it/s")

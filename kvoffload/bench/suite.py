@@ -104,6 +104,8 @@ class Config:
     engine_seconds: float = 1.0  # per segment of an engine case
     engine_paths: tuple[str, ...] = engine.PATHS
     engine_shares: tuple[float, ...] = engine.SHARES
+    engine_max_repeats: int = 8
+    engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
 
     @property
     def ceiling_seconds(self) -> float:
@@ -619,6 +621,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine group: comma list of gpu (DiskBackend on --device) and tier (SlotTier on host rows)")
     p.add_argument("--engine-shares", default=",".join(f"{x:g}" for x in engine.SHARES),
                    help="engine group: comma list of Python's share of a 20 ms step, each in (0, 1)")
+    p.add_argument("--engine-max-repeats", type=int, default=8,
+                   help="engine group: at most this many repeats per case (8; at least 3)")
+    p.add_argument("--engine-switch-ms", type=float, default=None,
+                   help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
+                        "to measure how the GIL hand-over interval trades the two ratios")
     p.add_argument("--runs", type=int, default=1, help="repeat everything N times; report best and worst")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="never write /proc/sys/vm/drop_caches (fadvise only)")
@@ -630,11 +637,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(a: argparse.Namespace) -> Config:
-    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1),
+    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1), ("--engine-max-repeats",
+                             a.engine_max_repeats, 3),
                              ("--io-threads", a.io_threads, 1), ("--make-array", a.make_array, 1)):
         if value is not None and value < low:
             raise SystemExit(f"{flag} must be >= {low}, got {value}")
     for flag, value in (("--gib", a.gib), ("--job-mib", a.job_mib), ("--io-unit-mib", a.io_unit_mib),
+                        ("--engine-switch-ms", a.engine_switch_ms),
                         ("--raw-seconds", a.raw_seconds), ("--array-gib", a.array_gib)):
         if value is not None and not value > 0:
             raise SystemExit(f"{flag} must be > 0, got {value}")
@@ -657,7 +666,8 @@ def config_from(a: argparse.Namespace) -> Config:
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=dram_streams(a.dram_streams),
         engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
         engine_paths=tuple(comma_list("--engine-paths", a.engine_paths, engine.PATHS)),
-        engine_shares=engine_shares(a.engine_shares),
+        engine_shares=engine_shares(a.engine_shares), engine_max_repeats=a.engine_max_repeats,
+        engine_switch_ms=a.engine_switch_ms,
     )
 
 
@@ -666,8 +676,8 @@ def engine_config(cfg: Config, work: list[str]) -> engine.EngineConfig:
     footprint = cfg.case_bytes if cfg.case_bytes is not None else GiB
     return engine.EngineConfig(
         device=cfg.device, dirs=work, tensor_bytes=cfg.layouts[0].tensor_bytes, footprint_bytes=footprint,
-        job_bytes=max(cfg.job_bytes, footprint // 8), depth=4, seconds=cfg.engine_seconds,
-        min_repeats=2 if cfg.quick else 3, max_repeats=2 if cfg.quick else 8,
+        job_bytes=max(cfg.job_bytes, footprint // 4), depth=3, seconds=cfg.engine_seconds,
+        min_repeats=2 if cfg.quick else 3, max_repeats=2 if cfg.quick else cfg.engine_max_repeats,
         io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, paths=cfg.engine_paths,
         shares=cfg.engine_shares, seed=cfg.seed,
     )
@@ -761,6 +771,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "modes": cfg.modes, "seals": cfg.seals, "only": sorted(cfg.only), "slots": cfg.slots,
             "job_bytes": cfg.job_bytes, "io_threads": cfg.io_threads, "io_threads_used": cfg.threads,
             "dram_streams": list(cfg.dram_streams),
+            "engine_switch_ms": cfg.engine_switch_ms or sys.getswitchinterval() * 1e3,
             "io_unit_bytes": cfg.io_unit_bytes, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
             "case_seconds": cfg.case_seconds, "seal_buffer_bytes": SEAL_BUFFER_BYTES,
             "host_bound": {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4)},
@@ -802,7 +813,14 @@ def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int
                 got.runs.append(b.cases)
                 b.run(i, got.nbytes, work)
         if "engine" in cfg.only:
-            got.engine.extend(engine.run_engine_group(engine_config(cfg, work), lambda m: print(m, file=sys.stderr)))
+            before = sys.getswitchinterval()
+            if cfg.engine_switch_ms is not None:
+                sys.setswitchinterval(cfg.engine_switch_ms / 1e3)
+            try:
+                got.engine.extend(engine.run_engine_group(engine_config(cfg, work),
+                                                          lambda m: print(m, file=sys.stderr)))
+            finally:
+                sys.setswitchinterval(before)
     finally:
         for w in work:
             for root, _, files in os.walk(w):
