@@ -10,7 +10,7 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 nproc; python3 -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())'
 common=(--only engine --make-array 4 --array-gib 5 --gib 2 --engine-seconds 0.7 --engine-max-repeats 5 --json)
 python3 -m kvoffload.bench "${common[@]}" "$@" > "$OUT/engine.json" 2> "$OUT/engine.log"; echo "default switch: rc=$?"
-python3 -m kvoffload.bench "${common[@]}" --engine-shares 0.25,0.75 --engine-switch-ms 1 "$@" \
+python3 -m kvoffload.bench "${common[@]}" --engine-shares 0.75 --engine-switch-ms 1 "$@" \
   > "$OUT/engine_switch1ms.json" 2> "$OUT/engine_switch1ms.log"; echo "1 ms switch: rc=$?"
 python3 - "$OUT"/engine.json "$OUT"/engine_switch1ms.json <<'PY'
 import json, sys
