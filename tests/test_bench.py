@@ -245,14 +245,15 @@ def test_engine_group_reports_both_ratios_per_case(capsys, tmp_path):
     out = run_quick(capsys, tmp_path, "--only", "engine", "--engine-shares", "0.5")
     assert out["ok"] and out["cases"] == []
     got = {(r["path"], r["direction"], r["drives"]) for r in out["engine"]}
-    assert got == {(p, d, n) for p in ("gpu", "tier") for d in ("load", "store") for n in (1, 2)}
+    assert got == {(p, d, n) for p in ("gpu", "tier", "raw") for d in ("load", "store") for n in (1, 2)}
     for r in out["engine"]:
         assert r["share"] == 0.5 and r["repeats"] == 2 and r["failed_jobs"] == 0, r
-        assert r["gib_s_busy"] > 0 and r["gib_s_ref"] > 0 and r["python_ms_alone"] > 0, r
+        # A 0.1 s segment on a loaded CI machine may finish no job: rates can be 0, not negative.
+        assert r["gib_s_busy"] >= 0 and r["gib_s_ref"] > 0 and r["python_ms_alone"] > 0, r
         lo, hi = r["engine_step_ratio_spread"]
         assert 0 < lo == r["engine_step_ratio"] <= r["engine_step_ratio_median"] <= hi, r
         lo, hi = r["bandwidth_ratio_spread"]
-        assert 0 < lo <= r["bandwidth_ratio_median"] <= hi == r["bandwidth_ratio"], r
+        assert 0 <= lo <= r["bandwidth_ratio_median"] <= hi == r["bandwidth_ratio"], r
         assert len(r["detail"]["gib_s_busy"]) == r["repeats"]
 
 

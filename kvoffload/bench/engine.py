@@ -12,6 +12,10 @@ per step. Three segments per repeat, in rotating order:
 - ``busy``: the steps with the backend moving data;
 - ``ref``: the same launch pattern with no Python per step (the GPU wait is the whole step).
 
+Beside kvoffload's two paths, ``raw`` is the bound of any design that moves a whole IO
+unit in one call without the GIL (a native unit executor, io_uring): IO threads that
+take a unit from a queue and make one ``preadv``/``pwritev`` of it, nothing else.
+
 ``engine_step_ratio`` = Python seconds per step busy / alone (what the backend costs the
 engine); ``bandwidth_ratio`` = GiB/s busy / ref (what the engine costs the backend).
 Repeats go on until both ratios' spread is within ``tol`` (or ``max_repeats``); the
@@ -21,7 +25,9 @@ best repeat is reported with the median and the spread.
 from __future__ import annotations
 
 import os
+import queue
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -29,14 +35,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from kvoffload.bench.ceilings import RawFile
 from kvoffload.device import alloc_host
-from kvoffload.disk_backend import DiskBackend
+from kvoffload.disk_backend import DEFAULT_IO_THREADS, DiskBackend
 from kvoffload.slot_file import round_up
 from kvoffload.vllm_tier import SlotTier, TierConfig
 
 STEP_S = 0.020  # one engine step: a decode step of a mid-size model
 SHARES = (0.25, 0.5, 0.75)  # Python's share of a step (0 is the ref segment)
-PATHS = ("gpu", "tier")
+PATHS = ("gpu", "tier", "raw")
 DIRECTIONS = ("load", "store")
 GiB = 2**30
 MiB = 2**20
@@ -155,17 +162,90 @@ class TierPath:
         self.tier.close()
 
 
+class RawPath:
+    """The bound: per drive ``threads`` threads, each unit one ``preadv``/``pwritev`` of
+    ``unit_bytes`` at a random aligned offset, its buffers cycling through two units."""
+
+    def __init__(self, dirs: list[str], block_bytes: int, num_blocks: int, threads: int, unit_bytes: int) -> None:
+        self.block_bytes, self.num_blocks = block_bytes, num_blocks
+        self.unit_bytes = max(4096, unit_bytes // 4096 * 4096)
+        per_file = num_blocks * round_up(block_bytes, 4096) // len(dirs)
+        self.files = [RawFile(d, max(per_file, 2 * self.unit_bytes)) for d in dirs]
+        for f in self.files:
+            f.fill()
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.files]
+        self.lock = threading.Lock()
+        self.done: dict[int, int] = {}  # job -> units left
+        self.finished: dict[bool, list[int]] = {True: [], False: []}
+        self.pending: dict[bool, set[int]] = {True: set(), False: set()}
+        self.jobs = 0
+        self.failed = 0
+        self.threads = [threading.Thread(target=self._serve, args=(f, q), daemon=True)
+                        for f, q in zip(self.files, self.queues) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, f: RawFile, q: queue.SimpleQueue) -> None:
+        bufs = [memoryview(alloc_host(self.unit_bytes, 4096).numpy()).cast("B") for _ in range(2)]
+        units = f.size // self.unit_bytes
+        rng = np.random.default_rng(f.direct_fd)
+        turn = 0
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            job, is_store = item
+            off = int(rng.integers(units)) * self.unit_bytes
+            call = os.pwritev if is_store else os.preadv
+            ok = call(f.direct_fd, [bufs[turn]], off) == self.unit_bytes
+            turn ^= 1
+            with self.lock:
+                self.failed += not ok
+                self.done[job] -= 1
+                if not self.done[job]:
+                    del self.done[job]
+                    self.finished[is_store].append(job)
+
+    def launch(self, is_store: bool, blocks: list[int], slots: list[int]) -> None:
+        n = max(1, len(blocks) * self.block_bytes // self.unit_bytes)
+        with self.lock:
+            self.done[self.jobs] = n
+        for i in range(n):
+            self.queues[i % len(self.queues)].put((self.jobs, is_store))
+        self.pending[is_store].add(self.jobs)
+        self.jobs += 1
+
+    def poll(self, is_store: bool) -> int:
+        with self.lock:
+            got, self.finished[is_store] = self.finished[is_store], []
+        self.pending[is_store].difference_update(got)
+        return len(got)
+
+    def in_flight(self, is_store: bool) -> int:
+        return len(self.pending[is_store])
+
+    def close(self) -> None:
+        for q in self.queues:
+            for _ in range(len(self.threads) // len(self.queues)):
+                q.put(None)
+        for t in self.threads:
+            t.join()
+        for f in self.files:
+            f.close()
+
+
 @dataclass
 class Segment:
     steps: int
-    python_s: float  # Python work seconds, summed over the steps
+    python_s: list[float]  # Python work seconds of each step
     wall_s: float
     jobs: int  # jobs finished during the segment
     job_bytes: int
 
     @property
     def python_ms_per_step(self) -> float:
-        return 1e3 * self.python_s / self.steps
+        """The median step's: a step the host took the CPU away from is not the GIL's doing."""
+        return 1e3 * statistics.median(self.python_s) if self.python_s else 0.0
 
     @property
     def gib_s(self) -> float:
@@ -212,7 +292,7 @@ class Driver:
         """Steps of ``STEP_S`` for ``seconds``: ``iters`` of Python, the rest of the step with
         the GIL released (none if the Python overran it), then poll and launch. A step's
         length does not depend on the Python, so every segment launches at the same pace."""
-        steps, py, done = 0, 0.0, 0
+        steps, py, done = 0, [], 0
         t0 = time.perf_counter()
         end = t0 + seconds
         while True:
@@ -220,7 +300,7 @@ class Driver:
             if iters:
                 spin(iters)
             b = time.perf_counter()
-            py += b - a
+            py.append(b - a)
             rest = a + STEP_S - b
             if rest > 0:
                 time.sleep(rest)
@@ -259,7 +339,7 @@ def run_case(driver: Driver, share: float, seconds: float, min_repeats: int, max
             if k != "alone":
                 launched_steps += got[k].steps
         segs.append(got)
-        step_r.append(got["busy"].python_s / got["busy"].steps / (got["alone"].python_s / got["alone"].steps))
+        step_r.append(got["busy"].python_ms_per_step / got["alone"].python_ms_per_step)
         bw_r.append(got["busy"].gib_s / got["ref"].gib_s if got["ref"].gib_s else float("nan"))
         if r + 1 >= min_repeats and _spread(step_r) <= tol and _spread(bw_r) <= tol:
             break
@@ -324,8 +404,12 @@ def run_engine_group(cfg: EngineConfig, log: Callable[[str], None]) -> list[Engi
     for dirs in drive_sets(cfg.dirs):
         for name in cfg.paths:
             paths = [os.path.join(d, f"engine-{name}.kv") for d in dirs]
-            path = (GpuPath(cfg.device, paths, cfg.tensor_bytes, num_blocks, cfg.io_threads, cfg.io_unit_bytes)
-                    if name == "gpu" else TierPath(paths, block_bytes, num_blocks, cfg.io_threads, None))
+            if name == "gpu":
+                path = GpuPath(cfg.device, paths, cfg.tensor_bytes, num_blocks, cfg.io_threads, cfg.io_unit_bytes)
+            elif name == "tier":
+                path = TierPath(paths, block_bytes, num_blocks, cfg.io_threads, None)
+            else:
+                path = RawPath(dirs, block_bytes, num_blocks, cfg.io_threads or DEFAULT_IO_THREADS, cfg.io_unit_bytes)
             try:
                 _fill(path, job_blocks)
                 for direction in cfg.directions:
@@ -348,6 +432,8 @@ def run_engine_group(cfg: EngineConfig, log: Callable[[str], None]) -> list[Engi
 
 def _fill(path: Any, job_blocks: int) -> None:
     """Store every slot once, so loads read written slots (and the tier holds its keys)."""
+    if isinstance(path, RawPath):
+        return  # its files were filled at creation
     n = path.num_blocks
     for i in range(0, n, job_blocks):
         ids = list(range(i, min(n, i + job_blocks)))
