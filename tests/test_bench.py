@@ -45,7 +45,7 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
                 want += [f"{name} {mode} {seal} {op}" for op in DISK_OPS]
     want += [f"llama stripe 2 paths 1 disk {op}" for op in STRIPE_OPS]
     want += [f"llama stripe 2 dirs {seal} {op}" for seal in bench.SEALS for op in STRIPE_OPS]
-    want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read")]
+    want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read", "read cycling")]
     want += [f"seal {s} 1 thread" for s in ("aes-gcm", "xxh3")]
     assert sorted(set(want) - set(rows)) == []
     for r in out["cases"]:
@@ -67,9 +67,13 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
                       "io_unit_bytes", "paths", "drives", "passes"):
                 assert k in d, (k, r)
             assert d["blocks"] * d["block_bytes"] == r["bytes"] // d["passes"]
-    # A striped case is compared with all drives' raw, then one drive's.
+    # A striped load is compared with all drives' raw reads cycling through the staging's
+    # worth of memory (its main ceiling), then into one reused buffer, then one drive's.
     s = rows["llama stripe 2 dirs aes-gcm cold-load"]
-    assert list(s["ratios"]) == ["llama raw direct-read 2 dirs", "llama raw direct-read"]
+    assert list(s["ratios"]) == ["llama raw direct-read cycling 2 dirs", "llama raw direct-read 2 dirs",
+                                 "llama raw direct-read"]
+    cycling = rows["llama raw direct-read cycling 2 dirs"]["detail"]
+    assert cycling["footprint"] == 2 * out["config"]["io_threads_used"] * 2 * out["config"]["io_unit_bytes"]
     assert rows["llama stripe 2 dirs xxh3 store"]["detail"]["drives"] == 2
     # A first store is also compared with the rewrite after it; a page-cache warm load
     # with the host-memory bound, 2/3 of the same run's memcpy.
