@@ -49,20 +49,23 @@ class LoadPlan:
 
 class OffloadTier:
     def __init__(self, spec: TierSpec, hw: Hardware, profile: IoProfile, block_bytes: int, unit_blocks: int,
-                 max_units: Optional[int] = None, host_device: bool = False) -> None:
+                 max_units: Optional[int] = None, host_device: bool = False, null_block: bool = True) -> None:
         """``unit_blocks`` vLLM blocks per pool slot; ``max_units``: distinct units the
         replay can ever offer (a pool with more slots never evicts, so it gets no more:
         memory follows the trace, not the capacity). ``host_device``: a secondary tier
-        moving blocks between host memory (the CPU primary) and disk."""
+        moving blocks between host memory (the CPU primary) and disk. ``null_block``: the
+        pool is a vLLM ``BlockPool`` (vLLM's simple offload connector, and so
+        ``KvoffloadConnector``), whose block 0 is its null block and holds nothing."""
         assert spec.kind in ("cpu", "disk", "vllm-disk") and spec.secondary is None
         self.block_bytes = block_bytes
         self.pipe = spec.pipeline
         disk = self.pipe is not None
         # kvoffload's sizing rule: an O_DIRECT slot is the block padded to 4096 bytes.
         slot_bytes = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, spec.page_cache) if disk else block_bytes
-        if spec.capacity_bytes < slot_bytes * unit_blocks:
-            raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots")
-        self.capacity_units = num_slots(spec.capacity_bytes, slot_bytes) // unit_blocks
+        if spec.capacity_bytes < slot_bytes * (unit_blocks + null_block):
+            raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots"
+                             + (" and vLLM's null block" if null_block else ""))
+        self.capacity_units = (num_slots(spec.capacity_bytes, slot_bytes) - null_block) // unit_blocks
         self.pool = SlotPool(min(self.capacity_units, max_units or self.capacity_units))
         self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes, host_device)
         threads = self.xfer.threads if disk else 1

@@ -57,8 +57,10 @@ class TwoLevelTier:
                  max_units: Optional[int] = None) -> None:
         assert spec.kind == "cpu" and spec.secondary is not None
         primary = dataclasses.replace(spec, secondary=None, text=spec.text.split("+")[0])
-        self.cpu = OffloadTier(primary, hw, profile, block_bytes, unit_blocks, max_units)
-        self.disk = OffloadTier(spec.secondary, hw, profile, block_bytes, unit_blocks, max_units, host_device=True)
+        # vLLM's OffloadingConnector pools (its CPU manager, kvoffload's SlotTier) have no null block.
+        self.cpu = OffloadTier(primary, hw, profile, block_bytes, unit_blocks, max_units, null_block=False)
+        self.disk = OffloadTier(spec.secondary, hw, profile, block_bytes, unit_blocks, max_units, host_device=True,
+                                null_block=False)
 
     # -- what the summary reads: PCIe between GPU and CPU, IO on the disk level --------
 

@@ -82,16 +82,29 @@ def test_submitting_many_units_at_once_equals_one_at_a_time():
             assert sorted(bulk._free) == sorted(single._free) and bulk.busy_ns == single.busy_ns
 
 
-def test_gpu_cache_evicts_whole_units_tail_first_and_keeps_duplicates_anonymous():
+def test_gpu_cache_evicts_whole_units_tail_first_and_caches_duplicates():
+    # Goal: vLLM's BlockPool. Blocks are reserved at admission and taken (evicting)
+    # when used; uncached free blocks go before any cached unit; a request frees its
+    # tail first; a unit computed again is a second cached copy (vLLM never
+    # de-duplicates), and a hit takes the oldest copy.
     gpu = GpuPrefixCache(100)
-    gpu.allocate([], 70)
-    assert [gpu.publish(k, 32) for k in (1, 2)] == [True, True]
-    assert not gpu.publish(1, 32)  # a duplicate stays anonymous
-    gpu.free([1, 2], 70 - 64)  # unit 2 (the tail) joins the LRU first
+    owned = gpu.allocate([], 70)
+    gpu.take(70)
+    owned += [gpu.publish(k, 32) for k in (1, 2)]
+    gpu.free(owned, 70 - 64)  # unit 2 (the tail) joins the LRU first
     assert gpu.lookup([1, 2]) == 2 and gpu.num_used == 0
-    gpu.allocate([1], 40)  # 32 + 40 used, 32 evictable: 104 > 100, so unit 2 goes
-    assert gpu.lookup([1, 2]) == 1 and gpu.num_evictions == 1
+    again = gpu.allocate([1], 40)  # 32 referenced, 40 reserved: nothing evicted yet
+    assert gpu.lookup([1, 2]) == 2 and gpu.num_evictions == 0
     assert not gpu.can_allocate([], 29) and gpu.can_allocate([], 28)
+    gpu.take(36)  # 36 uncached free blocks first
+    assert gpu.num_evictions == 0
+    gpu.take(4)  # then the LRU unit: 2
+    assert gpu.lookup([1, 2]) == 1 and gpu.num_evictions == 1
+    second = gpu.publish(1, 32)  # a duplicate of unit 1, cached as its second copy
+    gpu.free(again + [second], 40 - 32)
+    assert gpu.allocate([1], 0) == again  # the oldest copy
+    gpu.take(0)
+    assert gpu.num_used == 32 and gpu.can_allocate([], 68) and not gpu.can_allocate([], 69)
 
 
 def _tier(text: str, profile=H200, unit_blocks: int = 1) -> OffloadTier:
@@ -195,14 +208,18 @@ def prompt(tokens: int):
 
 def test_disk_tiers_size_slots_by_kvoffload_padding_rule():
     # Goal: one sizing rule (kvoffload.config.num_slots): an O_DIRECT slot of an MLA
-    # block (1,124,352 B) is padded to 1,126,400 B, so ten blocks' worth holds nine.
+    # block (1,124,352 B) is padded to 1,126,400 B, so ten blocks' worth holds nine;
+    # vLLM's BlockPool keeps one of them as its null block.
     block = 1_124_352
     cap = 10 * block
     size = {t: OffloadTier(parse_tier(t), Hardware(), H200, block, 1).pool.num_slots
             for t in (f"disk:{cap}", f"disk:{cap}:pagecache", f"cpu:{cap}")}
-    assert list(size.values()) == [9, 10, 10]
-    # One pool slot per unit of 32 blocks: 100 blocks hold 3 units.
+    assert list(size.values()) == [8, 9, 9]
+    assert OffloadTier(parse_tier(f"disk:{cap}"), Hardware(), H200, block, 1, null_block=False).pool.num_slots == 9
+    # One pool slot per unit of 32 blocks: 100 blocks hold 3 units (99 besides the null block).
     assert OffloadTier(parse_tier(f"cpu:{100 * block}"), Hardware(), H200, block, 32).pool.num_slots == 3
+    with pytest.raises(ValueError, match="smaller than one unit of 1 .* and vLLM's null block"):
+        OffloadTier(parse_tier(f"cpu:{block}"), Hardware(), H200, block, 1)
 
 
 def test_memory_follows_the_trace_not_the_capacity():
@@ -255,16 +272,17 @@ def test_replays_are_deterministic():
 
 
 @pytest.mark.parametrize("gpu_gib", [4, 8, 12])
-def test_timed_hit_rate_is_at_most_the_untimed_lru(gpu_gib):
-    # Goal: the oracle invariant (notes §3): concurrency can only cost hits. Allow a
-    # tenth of a point: the timed cache frees blocks at finish, not at arrival, so its
-    # LRU order differs slightly.
+def test_timed_hit_rate_is_close_to_the_untimed_lru(gpu_gib):
+    # Goal: the oracle (notes §3) and the timed cache agree within a point. They differ
+    # by LRU order only, either way: the timed cache frees blocks when a request
+    # finishes, not after its arrival, holds blocks in use and reserved, and shares a
+    # block as soon as its step is scheduled, as vLLM does (so concurrency costs no hit).
     reqs = read_trace(str(MINI), time_scale=4)
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=gpu_gib * GiB)
     timed, _ = replay(reqs, parse_tier("none"), ReplayConfig(MODEL, hw))
     assert timed["rejected"] == 0  # else the two replays would not see the same requests
     untimed = lru_hit_rate(reqs, hw.gpu_kv_bytes // BLOCK_BYTES)
-    assert 0 < timed["gpu_hit_rate"] <= untimed + 0.001
+    assert timed["gpu_hit_rate"] > 0 and abs(timed["gpu_hit_rate"] - untimed) < 0.01
 
 
 def test_the_reload_scenario_is_sized_so_the_tiers_differ():
