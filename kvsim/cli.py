@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
     c.add_argument("--base", metavar="PROFILE",
                    help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
+    c.add_argument("--drives", type=POS_INT,
+                   help="drives the profile has (default: the bench's directories; every rate is one drive's)")
     return top
 
 
@@ -287,7 +289,7 @@ def _hitrate(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
     base = load_profile(a.base) if a.base else None
-    profile = calibrate(load_bench(a.bench), name, a.bench, base)
+    profile = calibrate(load_bench(a.bench), name, a.bench, base, a.drives)
     text = json.dumps(profile.to_json(), indent=1) + "\n"
     table = fidelity_table(profile)
     if a.out:

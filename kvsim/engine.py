@@ -112,14 +112,19 @@ class Engine:
 
     def on_step(self, ev: Event) -> list[Event]:
         now = ev.time_ns
+        out: list[Event] = []  # the tier's polling may start transfers (a second hop)
+        resumed = []
+        if self.tier is not None:
+            # Polled before the batch's finished requests free their blocks: a store done
+            # during a fast-forwarded run of decode steps was seen at one of its boundaries.
+            released: list = []
+            resumed = self.tier.poll(now, out, released)
+            self.gpu.unpin(released)
         if ev.payload is not None:
             self._finish_batch(now, ev.payload)
-        out: list[Event] = []  # the tier's polling may start transfers (a second hop)
-        if self.tier is not None:
-            resumed = self.tier.poll(now, out)
-            for req in resumed:
-                self._resume(req, now)
-            self.waiting.extendleft(reversed(resumed))
+        for req in resumed:
+            self._resume(req, now)
+        self.waiting.extendleft(reversed(resumed))
         batch, dur = self._schedule(now, out)
         if batch is None:
             self._busy = False
@@ -325,7 +330,7 @@ class Engine:
             r.computed += n
             upto = r.units.within(r.computed // bs)
             if tier is not None and upto > r.offered:  # eager: every newly computed unit, once
-                tier.store(now, r.units, r.offered, upto)
+                self.gpu.pin(tier.store(now, r.units, r.offered, upto, r.owned[r.offered:upto]))
                 r.offered = upto
             if r.computed == r.prompt:
                 r.first_token_ns = now

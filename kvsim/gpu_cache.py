@@ -97,6 +97,17 @@ class GpuPrefixCache:
         self._copies.setdefault(key, []).append(c)
         return c
 
+    def pin(self, copies: Sequence[CachedUnit]) -> None:
+        """Reference copies an offload store reads (their request still references them)."""
+        for c in copies:
+            assert c.refs > 0
+            c.refs += 1
+
+    def unpin(self, copies: Sequence[CachedUnit]) -> None:
+        """A store is done: release its copies in block order, as vLLM's store completion
+        frees them, so a copy its request no longer holds joins the LRU head first."""
+        self.free(list(reversed(copies)), 0)
+
     def free(self, owned: Sequence[CachedUnit], num_anon: int, num_reserved: int = 0) -> None:
         """Release a request's anonymous blocks, its units (last first) and what it never took."""
         lru = self._lru

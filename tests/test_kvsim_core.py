@@ -20,6 +20,7 @@ from kvsim.models import get_model
 from kvsim.offload import OffloadTier
 from kvsim.profile import DiskDirection, IoCost, load_profile
 from kvsim.replay import ReplayConfig, build, replay
+from kvsim.request import Units
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceRequest, read_trace
 
@@ -124,9 +125,9 @@ def test_poll_stops_at_the_first_unfinished_job():
     ev_long = tier.load(now, tier.prepare_load(long_keys, [1] * 150), "long")
     ev_short = tier.load(now, tier.prepare_load(short_keys, [1]), "short")
     assert ev_short.time_ns < ev_long.time_ns
-    assert tier.poll(ev_short.time_ns, []) == []
-    assert tier.poll(ev_long.time_ns - 1, []) == []
-    assert tier.poll(ev_long.time_ns, []) == ["long", "short"]
+    assert tier.poll(ev_short.time_ns, [], []) == []
+    assert tier.poll(ev_long.time_ns - 1, [], []) == []
+    assert tier.poll(ev_long.time_ns, [], []) == ["long", "short"]
     assert tier.pool.num_pinned() == 0
 
 
@@ -159,7 +160,7 @@ def _store_ns(tier: OffloadTier, keys: list[int], now: int) -> int:
     granted = tier.pool.prepare_store(keys)
     tier.store_slots(now, granted, len(granted))
     job = tier._jobs[True][-1]
-    tier.poll(job.done_ns, [])
+    tier.poll(job.done_ns, [], [])
     return job.done_ns - now
 
 
@@ -191,13 +192,39 @@ def test_first_writes_are_tracked_per_slot_used_not_per_slot_of_capacity():
     assert tier.capacity_units > 10**6 and tier.pool.num_slots == 1000 == len(tier._written)
 
 
+def test_a_store_holds_its_gpu_blocks_until_it_is_seen_done():
+    # Goal: vLLM's simple offload scheduler references the GPU blocks a store reads
+    # (``gpu_block_pool.touch``) and frees them when the store completes: a request
+    # that finishes first leaves them cached but not evictable, and on completion they
+    # join the LRU in block order (the head of the prompt evicted first).
+    gpu = GpuPrefixCache(4)
+    tier = _tier("vllm-disk:64MiB")
+    owned = gpu.allocate([], 3)
+    gpu.take(3)
+    owned = [gpu.publish(k, 1) for k in (7, 8, 9)]
+    pins = tier.store(0, Units([7, 8, 9], 1, 1), 0, 3, owned)
+    gpu.pin(pins)
+    gpu.free(owned, 0)  # the request is done before its store
+    assert gpu.lookup([7, 8, 9]) == 3 and not gpu.can_allocate([], 2)
+    released: list = []
+    tier.poll(0, [], released)
+    assert released == []  # not done yet
+    tier.poll(tier._jobs[True][-1].done_ns, [], released)
+    assert released == pins == owned
+    gpu.unpin(released)
+    assert gpu.can_allocate([], 4)
+    owned = gpu.allocate([], 2)
+    gpu.take(2)  # the free block, then the LRU head: unit 7, not the tail
+    assert gpu.lookup([7]) == 0 and gpu.lookup([8, 9]) == 2 and gpu.num_evictions == 1
+
+
 def test_in_flight_stores_are_invisible_until_polled():
     tier = _tier("cpu:1GiB")
     tier.store(0, prompt(3 * 512), 0, 3)
     assert tier.lookup([0, 1, 2]) == 0
-    tier.poll(0, [])
+    tier.poll(0, [], [])
     assert tier.lookup([0, 1, 2]) == 0  # the copy takes time
-    tier.poll(10**9, [])
+    tier.poll(10**9, [], [])
     assert tier.lookup([0, 1, 2]) == 3
 
 
