@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from kvsim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-# The model the scenario is sized for (--model changes it; sizes stay in tokens).
-SCENARIO_MODEL = "qwen3-32b"
 PHASES = ("fill", "reload")
 
 

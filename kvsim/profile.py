@@ -21,7 +21,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 BUILTIN = {"h200-disk": "h200_disk.json", "h200-array": "h200_array.json", "h200-ramdrive": "h200_ramdrive.json"}
 # The VM's own virtual disk: a profile for what kvsim itself runs on, not for a deployment.
 VM_DISK_PROFILE = "h200-disk"
-DEFAULT_PROFILE = "h200-disk"
+DEFAULT_PROFILE = "h200-ramdrive"
 SEALS = ("aes-gcm", "xxh3", "off")
 # A file load moves each byte through DRAM about five times (page cache or drive
 # read, staging write, seal read and write, DMA read) against a memcpy's two.

@@ -20,6 +20,7 @@ from kvsim.models import get_model
 from kvsim.offload import OffloadTier
 from kvsim.profile import DiskDirection, IoCost, load_profile
 from kvsim.replay import ReplayConfig, build, replay
+from kvsim.scenarios import DEFAULT_SCENARIO, get_scenario
 from kvsim.request import Units
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceRequest, read_trace
@@ -312,9 +313,49 @@ def test_timed_hit_rate_is_close_to_the_untimed_lru(gpu_gib):
     assert timed["gpu_hit_rate"] > 0 and abs(timed["gpu_hit_rate"] - untimed) < 0.01
 
 
-def test_the_reload_scenario_is_sized_so_the_tiers_differ():
-    # Goal: the README's scenario. Its working set is larger than the GPU cache and
-    # an 8 GB DRAM tier, smaller than a 100 GB disk; the reload order is shuffled.
+def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
+    # Goal: the README's table. The working set overflows the GPU cache, an 8 GiB DRAM
+    # tier and a 100 GB disk, not a 200 GB one; recomputing the reloads overloads the
+    # GPU. First visits gain nothing from any tier; the reloads gain nothing from DRAM,
+    # part from the disk too small to hold them, and all from the one that holds them.
+    sc = get_scenario(DEFAULT_SCENARIO)
+    reqs = sc.workload.requests()
+    model = get_model(sc.model)
+    units = {h for r in reqs[: sc.workload.contexts] for h in r.hash_ids[:-1]}
+    working_set = len(units) * 512 * model.kv_bytes_per_token
+    assert 8 << 30 < Hardware().kv_bytes(model) < 100e9 < working_set < 200e9
+    hw = dataclasses.replace(Hardware(), host_free_bytes=sc.host_free_bytes)
+    cfg = ReplayConfig(model, hw, sc.load_policy, load_profile(sc.hardware))
+    s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in ("none", "cpu:8GiB", "disk:100GB", "disk:200GB")}
+    p50 = {t: {ph: v["phases"][ph]["ttft_ms"]["p50"] for ph in ("fill", "reload")} for t, v in s.items()}
+    assert len({v["fill"] for v in p50.values()}) == 1
+    assert s["none"]["queue_share_of_ttft"] > 0.5  # recomputing saturates the GPU
+    assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
+    assert 5 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"] / 2
+    assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"]
+
+
+def test_equal_tiers_hit_alike_so_the_page_cache_is_never_faster_than_dram():
+    # Goal: the claim docs/kvsim.md makes against vLLM PR #49644's 32 GB comparison.
+    # Pools of one size given the same requests hit the same tokens (vLLM's LRU, the
+    # -m engine test); a page-cache load copies what a DRAM load moves by DMA, so it is
+    # slower, and an O_DIRECT load slower still. Here the contexts fit 32 GiB and the GPU
+    # holds less, so the tiers serve most reloads (the PR's scenario as given: none).
+    sc = get_scenario("vllm-pr-49644")
+    reqs = dataclasses.replace(sc.workload, contexts=18).requests()
+    hw = dataclasses.replace(Hardware(), gpu_kv_bytes=16 * 10**9, host_free_bytes=sc.host_free_bytes)
+    cfg = ReplayConfig(get_model(sc.model), hw, sc.load_policy, load_profile(sc.hardware))
+    tiers = ("cpu:32GiB", "vllm-disk:32GiB:pagecache", "vllm-disk:32GiB", "none")
+    s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in tiers}
+    assert len({s[t]["offload_hit_rate"] for t in tiers[:3]}) == 1 and s["cpu:32GiB"]["offload_hit_rate"] > 0.1
+    p50 = [s[t]["phases"]["reload"]["ttft_ms"]["p50"] for t in tiers]
+    assert p50 == sorted(p50) and len(set(p50)) == 4
+
+
+def test_the_reload_workload_on_the_vm_disk_recomputes_what_loads_slower():
+    # Goal: docs/kvsim.md's H200 virtual-disk example (48 contexts, 80 GB of KV): larger
+    # than the GPU cache and an 8 GB DRAM tier, smaller than a 100 GB disk; the reload
+    # order is shuffled; the slow disk makes the "faster" policy recompute some.
     sc = ReloadScenario()
     reqs = sc.requests()
     model = get_model("qwen3-32b")
@@ -325,7 +366,7 @@ def test_the_reload_scenario_is_sized_so_the_tiers_differ():
     assert [r.hash_ids[24] for r in fill] != [r.hash_ids[24] for r in reload]
     assert sorted(r.hash_ids[24] for r in fill) == sorted(r.hash_ids[24] for r in reload)
     assert {r.phase for r in fill} == {"fill"} and {r.phase for r in reload} == {"reload"}
-    cfg = ReplayConfig(model)
+    cfg = ReplayConfig(model, profile=load_profile("h200-disk"))
     s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in
          ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB", "disk:100GB:pagecache", "cpu:100GB")}
     p50 = {t: v["phases"]["reload"]["ttft_ms"]["p50"] for t, v in s.items()}
