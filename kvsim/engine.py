@@ -154,8 +154,10 @@ class Engine:
                     budget -= n
             elif budget:
                 decodes.append(r)
-                self._take(r, r.prompt + r.generated)  # the KV of the token it feeds
-                ctx += r.prompt + r.generated
+                fed = r.prompt + r.generated  # with the KV of the token it feeds
+                if fed > r.num_held * bs:
+                    self._take(r, fed)
+                ctx += fed
                 budget -= 1
         batch.decode_ctx = ctx
         while self.waiting and budget and len(self.running) < hw.max_num_seqs:
@@ -338,7 +340,8 @@ class Engine:
         for r in batch.decodes:
             r.generated += batch.steps
             # A fast-forward's later steps took their blocks too; nothing else ran meanwhile.
-            self._take(r, r.prompt + r.generated - 1)
+            if r.prompt + r.generated - 1 > r.num_held * bs:
+                self._take(r, r.prompt + r.generated - 1)
         # Only a request in this batch can have finished with it.
         done = [r for r, _ in batch.prefills if r.computed == r.prompt and r.generated >= r.output]
         done += [r for r in batch.decodes if r.generated >= r.output]
