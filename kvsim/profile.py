@@ -3,9 +3,10 @@
 ``python -m kvsim calibrate BENCH.json -o hw.json`` writes one from the output of
 ``python -m kvoffload.bench --json`` (calibrate.py); ``--hardware hw.json`` (or a
 built-in name) uses it. Rates are GiB/s, as the bench prints them. The built-in
-profiles are the H200's own disk (the default) and four RAM-backed drives on the
-same host (the fast-drive array of the performance issue), both calibrated from
-the bench runs recorded in ``tests/data``.
+profiles, all calibrated from the bench runs recorded in ``tests/data``: one
+RAM-backed drive on the H200 (the default: the stand-in for one fast NVMe drive),
+four of them (the fast-drive array of the performance issue), and the H200 VM's own
+virtual disk, which is what kvoffload's bench ran on, not a deployment's drive.
 """
 
 from __future__ import annotations
