@@ -77,3 +77,15 @@ def test_sharded_loads_find_each_key_in_its_tier_whatever_the_wave_size(tmp_path
                      "--primary-gib", str(9 / 1024), "--no-raw", "--json", "--tiers", "fs-core", "--fs-dirs", "all"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["primary_chunks"] == 9 and out["tiers"][0]["failed_jobs"] == 0 and out["ok"]
+
+
+def test_vllms_own_cpu_primary_takes_direct_io(tmp_path, capsys) -> None:
+    """vLLM's CPU tier (its shared-memory region, built by TieringOffloadingSpec) has rows the
+    direct path can read into: page-aligned, chunk-sized."""
+    d = tmp_path / "d"
+    d.mkdir()
+    rc = bench.main(["--dir", str(d), "--gib", "0.02", "--chunk-mib", "1", "--primary-gib", "0.01", "--no-raw",
+                     "--json", "--tiers", "kvoffload", "--direct-io", "both"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    assert [t["direct_io"]["load"] for t in out["tiers"]] == [False, True]
