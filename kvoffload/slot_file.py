@@ -322,24 +322,50 @@ def _alignment(osc: OsCalls, fd: int, path: str, use_page_cache: bool) -> int:
     return max(mem, off, MIN_DIRECT_ALIGNMENT)
 
 
+def check_space(osc: OsCalls, path: str, size: int) -> None:
+    """Refuse ``size`` bytes that the file system of ``path``'s directory cannot hold,
+    before anything is made (the directory gets the same checks as at creation)."""
+    directory, _ = split_disk_path(path)
+    fds: list[int] = []
+    try:
+        _open_directory(osc, directory, fds)
+        vfs = osc.fstatvfs(fds[0])
+        # Closed here on success, not in a finally: one interrupt per call can then land
+        # on this line (and the except closes it) but never skip the close.
+        _close_quietly(osc, fds, directory)
+    except BaseException as e:
+        while fds:
+            _close_quietly(osc, fds, directory)
+        if isinstance(e, OSError) and not isinstance(e, SlotFileError):
+            raise SlotFileError(e.errno, f"cannot stat the file system of {directory!r}: {e.strerror}") from e
+        raise
+    if vfs.f_flag & os.ST_RDONLY:
+        # Its free space means nothing: say what will really fail.
+        raise SlotFileError(errno.EROFS, f"cannot create a slot file in {directory!r}: {os.strerror(errno.EROFS)}")
+    free = _free(vfs)
+    if size > free:
+        raise _no_space(path, size, free)
+
+
+def _free(vfs: os.statvfs_result) -> int:
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _no_space(path: str, size: int, free: int) -> SlotFileError:
+    return SlotFileError(errno.ENOSPC, f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free")
+
+
 def _reserve(osc: OsCalls, fd: int, size: int, path: str) -> None:
     # posix_fallocate, not ftruncate: a sparse file would hit ENOSPC in the middle
     # of a run, as a store failure, instead of at start-up.
-    vfs = osc.fstatvfs(fd)
-    free = vfs.f_bavail * vfs.f_frsize
+    free = _free(osc.fstatvfs(fd))
     if size > free:
-        raise SlotFileError(
-            errno.ENOSPC,
-            f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
-        )
+        raise _no_space(path, size, free)
     try:
         osc.fallocate(fd, 0, size)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise SlotFileError(
-                errno.ENOSPC,
-                f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
-            ) from e
+            raise _no_space(path, size, free) from e
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             # No fallocate on this file system (glibc's emulation fails with EINVAL on
             # an O_DIRECT fd). A sparse file still works; ENOSPC then surfaces as
