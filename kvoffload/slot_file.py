@@ -228,11 +228,14 @@ def _create_named(osc, fds, directory, name, flags, use_page_cache, names) -> No
     # Stale files from earlier runs: vLLM's own backend leaves one named exactly
     # disk_path, which may be world-readable and hold prompts; a kvoffload init
     # killed in the microseconds between its create and unlink leaves an empty one.
+    # Start-up never deletes data, though: a stale name that holds bytes stays.
     try:
         stale = [name] + [n for n in osc.listdir(dir_fd) if n.startswith(_temp_prefix(name))]
     except OSError as e:
         raise SlotFileError(e.errno, f"cannot list {directory!r}: {e.strerror}") from e
     for n in stale:
+        if _holds_data(osc, dir_fd, directory, n):
+            continue
         try:
             osc.unlink(n, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -282,6 +285,30 @@ def _create_named(osc, fds, directory, name, flags, use_page_cache, names) -> No
     raise SlotFileError(
         errno.EEXIST, f"could not create a fresh slot file in {directory!r} in {_CREATE_ATTEMPTS} attempts"
     )
+
+
+def _holds_data(osc: OsCalls, dir_fd: int, directory: str, name: str) -> bool:
+    """Whether the stale ``name`` may hold someone's data, and so must stay (warned about).
+
+    kvoffload unlinks its named file before writing a byte, so its own leftovers are
+    empty. A regular file with bytes is someone's: vLLM's own backend's at disk_path
+    (plaintext KV), or a file under a name like ours. Nothing needs it gone: our name
+    is random and made with O_EXCL. A symlink or an empty file holds nothing: removed
+    (unlink never follows a link). A name that cannot be examined stays too."""
+    path = os.path.join(directory, name)
+    try:
+        st = osc.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        logger.warning("kvoffload: cannot stat %s (%s); leaving it", path, e.strerror)
+        return True
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return False
+    logger.warning("kvoffload: leaving %s (%d bytes): not an empty leftover of a kvoffload start-up, so it may "
+                   "hold someone's data (vLLM's own disk backend leaves plaintext KV at disk_path); remove it "
+                   "yourself if nothing needs it", path, st.st_size)
+    return True
 
 
 def _unlink_quietly(osc: OsCalls, name: str, dir_fd: int) -> None:
