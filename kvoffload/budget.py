@@ -26,8 +26,15 @@ POOL_SLOT_BYTES = 360
 UNKNOWN_MEMORY = 1 << 50
 
 
-def mem_available() -> int:
-    """MemAvailable of /proc/meminfo: what the kernel can hand out without swapping."""
+def file_slots(num_slots: int, num_files: int, i: int) -> int:
+    """Slots of file ``i`` when slot ``s`` lives in file ``s % num_files`` (arithmetic, so
+    a count of 1e30 is refused by the disk check rather than by ``len(range(...))``)."""
+    return max(0, (num_slots - i + num_files - 1) // num_files)
+
+
+def mem_available(default: int = UNKNOWN_MEMORY) -> int:
+    """MemAvailable of /proc/meminfo: what the kernel can hand out without swapping
+    (``default`` where it cannot be read)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -35,7 +42,7 @@ def mem_available() -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return UNKNOWN_MEMORY
+    return default
 
 
 def check(osc: OsCalls, key: str, paths: Sequence[str], num_slots: int, block_bytes: int, use_page_cache: bool,
@@ -49,7 +56,7 @@ def check(osc: OsCalls, key: str, paths: Sequence[str], num_slots: int, block_by
     """
     slot = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, use_page_cache)
     for i, path in enumerate(paths):
-        check_space(osc, path, len(range(i, num_slots, len(paths))) * slot)
+        check_space(osc, path, file_slots(num_slots, len(paths), i) * slot)
     have = mem_available()
     if memory_bytes > have:
         raise ValueError(f"{key}: not enough memory for the state of {num_slots} slots: need {memory_bytes} bytes, "

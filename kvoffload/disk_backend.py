@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvoffload.budget import RECORD_BYTES
+from kvoffload.budget import RECORD_BYTES, file_slots
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.jobs import check_event_idx, check_job
@@ -159,7 +159,7 @@ class DiskBackend:
         # Disk and host memory for what follows, before any of it is made: per-slot
         # records (all slots valid) and pinned staging (3 buffers a thread and path).
         slot = slot_bytes_for(total_block_bytes, MIN_DIRECT_ALIGNMENT, use_page_cache)
-        staging = sum(3 * threads * (unit_rows(io_unit_bytes, slot, len(range(i, num_disk_slots, len(paths))),
+        staging = sum(3 * threads * (unit_rows(io_unit_bytes, slot, file_slots(num_disk_slots, len(paths), i),
                                                layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
                       for i in range(len(paths)))
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
@@ -173,7 +173,7 @@ class DiskBackend:
             self._join_timeout = join_timeout
             for i, p in enumerate(paths):
                 # Slot s of the whole pool lives in file s % n at index s // n.
-                run.files.append(SlotFile.create(osc, p, len(range(i, num_disk_slots, len(paths))),
+                run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
                                                  max_slot_bytes=budget // num_disk_slots))
             for f in run.files:
