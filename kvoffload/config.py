@@ -53,8 +53,9 @@ _SIZE_RE = re.compile(r"^\s*(\d*)(?:\.(\d*))?\s*([a-z]*)\s*$", re.IGNORECASE | r
 MAX_SIZE = 2**63 - 1
 
 
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"100GiB"``, ``"512MB"``, ``"1.5 GiB"``.
+def parse_size(key: str, value: Any, positive: bool = False) -> int:
+    """Bytes from an int or a string such as ``"100GiB"``, ``"512MB"``, ``"1.5 GiB"``;
+    with ``positive``, 0 or less is refused too.
 
     Exact: the digits are read as integers (``"1.07GB"`` is 1,070,000,000 bytes and
     ``"9007199254740993"`` stays odd), never through a float.
@@ -69,6 +70,8 @@ def parse_size(key: str, value: Any) -> int:
         n = _parse_size_text(key, value)
     if n > MAX_SIZE:
         raise _too_large(key, value)
+    if positive and n <= 0:
+        raise ValueError(f"{key}={value!r}: must be > 0")
     return n
 
 
@@ -167,9 +170,7 @@ class OffloadConfig:
             kw["disk_path"] = p
         for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
             if key in extra:
-                kw[key] = parse_size(key, extra[key])
-                if kw[key] <= 0:
-                    raise ValueError(f"{key}={extra[key]!r}: must be > 0")
+                kw[key] = parse_size(key, extra[key], positive=True)
         for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_threads", 1),
                              ("direct_io_alignment", 1)):
             if key in extra:

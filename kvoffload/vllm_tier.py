@@ -123,7 +123,7 @@ class TierConfig:
                              + (" or a non-empty list of them" if key == "disk_paths" else ""))
         for key in ("disk_capacity_bytes", "io_unit_bytes"):
             if key in given:
-                given[key] = parse_size(key, given[key])
+                given[key] = parse_size(key, given[key], positive=True)
         return cls(disk_paths=tuple(paths), **given)
 
     @property
