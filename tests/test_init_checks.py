@@ -12,11 +12,10 @@ import mmap
 import os
 import re
 import resource
-import threading
 
 import pytest
 
-from faults import FaultyOsCalls, wait_threads_gone
+from faults import FaultyOsCalls, kvoffload_threads, wait_threads_gone
 from kvoffload import DiskBackend
 from kvoffload.slot_file import SlotFileError
 from kvoffload.vllm_tier import SlotTier, TierConfig
@@ -49,10 +48,6 @@ class HugeDisk(FaultyOsCalls):
     def fstatvfs(self, fd):
         real = super().fstatvfs(fd)
         return os.statvfs_result((real.f_bsize, 1, real.f_blocks, 1 << 62, 1 << 62) + tuple(real)[5:])
-
-
-def kvoffload_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvoffload-")]
 
 
 def assert_nothing_made(d, fds_before) -> None:
