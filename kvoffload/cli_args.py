@@ -21,9 +21,10 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Any, Optional
 
 from kvoffload.config import MAX_SIZE, parse_size
@@ -92,6 +93,8 @@ def one_line(e: BaseException) -> str:
 def _decimal(text: str, want: str) -> Decimal:
     """``text`` as an exact decimal number; anything else (or inf, nan) is refused."""
     try:
+        if not text.isascii():  # Decimal and int take other scripts' digits too
+            raise ValueError(text)
         d = Decimal(text.strip())
     except (InvalidOperation, ValueError):
         raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
@@ -116,6 +119,8 @@ class Integer:
 
     def __call__(self, text: str) -> int:
         try:
+            if not text.isascii():
+                raise ValueError(text)
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {self.want}, got {text!r}") from None
@@ -173,12 +178,17 @@ class Amount:
 
     def __call__(self, text: str) -> int:
         d = _decimal(text, self.want)
-        if d * self.unit > MAX_SIZE:  # compared as decimals: 1e300 GiB never becomes an int
+        # The exponent is bounded before exact arithmetic, so "1e999999999" costs nothing:
+        # above 1e25 of a unit is beyond 2**63 bytes, below 1e-25 less than a byte.
+        if d > 0 and d.adjusted() > 25:
             raise argparse.ArgumentTypeError(f"{text} {self.unit_name} is more than 2**63 - 1 bytes")
-        exact = d * self.unit
-        n = int(exact)
+        exact = Fraction(d) * self.unit if d > 0 and d.adjusted() >= -25 else Fraction(0)
+        if exact > MAX_SIZE:
+            raise argparse.ArgumentTypeError(f"{text} {self.unit_name} is more than 2**63 - 1 bytes")
+        n = math.floor(exact)  # rounded down to the byte
         if n < self.minimum or n % self.multiple:
-            raise argparse.ArgumentTypeError(f"must be {self.want}, got {text!r} ({exact:f} bytes)")
+            raise argparse.ArgumentTypeError(f"must be {self.want}, got {text!r}"
+                                             + (f" ({float(exact):g} bytes)" if exact else ""))
         return n
 
 

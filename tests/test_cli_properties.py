@@ -24,7 +24,7 @@ from faults.__main__ import main as faults_main
 from kvoffload.__main__ import build_parser as kvoffload_parser
 from kvoffload.__main__ import main as kvoffload_main
 from kvoffload.bench import suite, tier
-from kvoffload.cli_args import UsageError
+from kvoffload.cli_args import UsageError, write_output
 from kvsim.cli import build_parser as kvsim_parser
 from kvsim.cli import main as kvsim_main
 from kvsim.profile import BUILTIN
@@ -259,3 +259,13 @@ def test_every_cli_flag_has_a_checked_type():
 def test_a_check_reports_what_it_refuses():
     with pytest.raises(UsageError, match=r"^argument --gib: must be a number of GiB, at least 1 byte, got 'inf'$"):
         suite.build_parser().parse_args(["--gib", "inf"])
+
+
+def test_an_output_is_written_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "out.jsonl"
+    target.write_text("the old one\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_output(str(target), "a line\n" + "\ud800")  # fails halfway through the write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"] and target.read_text() == "the old one\n"
+    write_output(str(target), "new\n")
+    assert target.read_text() == "new\n" and len(list(tmp_path.iterdir())) == 1
