@@ -21,8 +21,8 @@ staging, a whole pass over host memory, is folded into the cipher's own pass.
 
 from __future__ import annotations
 
-import itertools
 import os
+import threading
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -92,14 +92,24 @@ class AesGcmSeal:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise RuntimeError(f"encryption needs the 'cryptography' package (>= 50): {e}") from e
-        self._aead = AESGCM(os.urandom(16))  # never leaves this object
-        # One counter for every write under this key: a nonce is never reused.
-        # next() on itertools.count is atomic under the GIL.
-        self._nonces = itertools.count(1)
+        # The key never leaves process memory: it is held here, for the Python path's
+        # cipher and for unit_io's calls (native_lane.py), and never written anywhere.
+        self.key = os.urandom(16)
+        self._aead = AESGCM(self.key)
+        # One counter for every write under this key, on either path: a nonce is never reused.
+        self._nonce_lock = threading.Lock()
+        self._next_nonce = 1
+
+    def reserve_nonces(self, n: int) -> int:
+        """The first of ``n`` fresh nonces (a unit's stores take theirs in one call)."""
+        with self._nonce_lock:
+            first = self._next_nonce
+            self._next_nonce += n
+        return first
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
         n = payload_bytes
-        nonce = next(self._nonces)
+        nonce = self.reserve_nonces(1)
         # encrypt_into writes ciphertext || tag: the tag lands in the 16 bytes after
         # the payload (padding, the next row, or the buffer's spare tail), which are
         # put back once the tag is read out.

@@ -241,16 +241,21 @@ def _per_size(cases: dict[str, dict], layouts: dict[str, int], case: str) -> lis
             if f"{name} {case}" in cases]
 
 
-def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = None) -> IoProfile:
+def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = None,
+             drives: Optional[int] = None) -> IoProfile:
     """The profile from the ceilings alone, before any factor is fitted; ``notes`` say
     where each figure came from. What the bench cannot give comes from ``base`` (a
-    profile of the same host), else from a prior."""
+    profile of the same host), else from a prior. ``drives``: how many of the bench's
+    drives the profile has (default: all its directories); every rate is one drive's."""
     cases = _cases(bench)
+    dirs = len(bench.get("machine", {}).get("dirs", [])) or 1
     layouts = _layouts(bench)
     big = max(layouts, key=layouts.get)
     sizes = ", ".join(f"{b:,} B" for b in sorted(layouts.values()))
     notes = [f"disk_read, disk_write: an IO alone (latency, rate) from the raw direct ceilings at queue depth 1, "
              f"the drive busy (per IO, best rate) from their best rates over queue depths, at {sizes}"]
+    if drives is not None:
+        notes.append(f"drives: {drives} of the bench's {dirs} (its single-file cases each ran on one drive)")
     h2d, d2h = (_need(cases, f"{big} pinned {d}")["gib_s_best"] for d in ("h2d", "d2h"))
     notes.append(f"pcie_h2d_gib_s, pcie_d2h_gib_s: {big} pinned copy ceilings")
     memcpy = _need(cases, f"{big} host memcpy")["gib_s_best"]
@@ -286,7 +291,7 @@ def ceilings(bench: dict, name: str, source: str, base: Optional[IoProfile] = No
                                     f"raw buffered-read per IO at {sizes} (Python threads taking turns)", base,
                                     (0.0,), "0 (no buffered-read ceiling at two block sizes)")
     return IoProfile(
-        name=name, source=source, drives=len(bench.get("machine", {}).get("dirs", [])) or 1, cpus=_cpus(bench),
+        name=name, source=source, drives=drives or dirs, cpus=_cpus(bench),
         disk_read=_direction(cases, layouts, "read"), disk_write=_direction(cases, layouts, "write"),
         page_cache_read_gib_s=pc_read, page_cache_write_gib_s=pc_read,
         host_io_gib_s=host, pcie_h2d_gib_s=h2d, pcie_d2h_gib_s=d2h, copy_call_us=call,
@@ -423,12 +428,14 @@ def _fit_factor(profile: IoProfile, cases: list[Case], apply: Callable[[IoProfil
     return math.exp((lo + hi) / 2)
 
 
-def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = None) -> IoProfile:
+def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = None,
+              drives: Optional[int] = None) -> IoProfile:
     """Fit a profile to a bench run; its ``fidelity`` lists every kvoffload case.
-    ``base``: a profile of the same host, for what this bench does not measure.
+    ``base``: a profile of the same host, for what this bench does not measure;
+    ``drives``: how many of the bench's drives the profile has (``ceilings``);
     ``source``: where the bench came from (a bad document's errors name it)."""
     check_bench(bench, source)
-    profile = ceilings(bench, name, source, base)
+    profile = ceilings(bench, name, source, base, drives)
     cases = bench_cases(bench)
     threads, unit, where = _pipeline(bench)
     notes = list(profile.notes)

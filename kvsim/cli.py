@@ -21,23 +21,23 @@ from kvoffload import budget, cli_args
 
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
-from kvsim.generate import SCENARIO_MODEL, ReloadScenario
+from kvsim.generate import ReloadScenario
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
-from kvsim.profile import BUILTIN, DEFAULT_PROFILE, load_profile
+from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
 from kvsim.replay import ReplayConfig, replay
+from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
-# The reload scenario is sized so that a 100 GB disk holds its working set (generate.py);
-# a real trace needs more (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
-SCENARIO_TIERS = ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB", "cpu:8GiB+disk:100GB")
+# A scenario names its own tiers (scenarios.py); a real trace needs more than they hold
+# (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
 TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TB", "disk:1TB")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 TRACE_FILE = cli_args.InputFile()
 COMMANDS = """commands:
-  trace replay [TRACE]        replay a trace (default: the built-in reload scenario) once per tier
+  trace replay [TRACE]        replay a trace (default: a built-in reload scenario) once per tier
   trace generate reload       write the reload scenario as a kvsim trace
   trace hitrate TRACE         untimed LRU token hit rate at given capacities (the oracle)
   calibrate BENCH.json        fit an IO hardware profile to `python -m kvoffload.bench --json`
@@ -65,8 +65,10 @@ def _tier(text: str):
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
-    d = ReloadScenario()
-    g = p.add_argument_group("reload scenario (no TRACE)")
+    d = SCENARIOS[DEFAULT_SCENARIO].workload
+    g = p.add_argument_group(f"reload scenario (no TRACE; defaults: {DEFAULT_SCENARIO}'s)")
+    g.add_argument("--scenario", choices=sorted(SCENARIOS),
+                   help=f"the deployment and workload to replay (default {DEFAULT_SCENARIO}; docs/kvsim.md)")
     g.add_argument("--contexts", type=POS_INT, help=f"distinct user contexts ({d.contexts})")
     g.add_argument("--prefix-len", type=POS_INT, help=f"shared system prompt tokens ({d.prefix_len})")
     g.add_argument("--context-len", type=POS_INT, help=f"tokens per user context ({d.context_len})")
@@ -76,27 +78,31 @@ def _scenario_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reload-rate", type=POS_FLOAT, help=f"requests/s in the reload phase ({d.reload_rate})")
 
 
-SCENARIO_FLAGS = ("contexts", "prefix_len", "context_len", "suffix_len", "output_len", "fill_rate", "reload_rate")
+WORKLOAD_FLAGS = ("contexts", "prefix_len", "context_len", "suffix_len", "output_len", "fill_rate", "reload_rate")
+SCENARIO_FLAGS = ("scenario", *WORKLOAD_FLAGS)
 
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _scenario(a: argparse.Namespace) -> ReloadScenario:
-    given = {k: getattr(a, k) for k in SCENARIO_FLAGS if getattr(a, k) is not None}
+def _scenario(a: argparse.Namespace) -> tuple[Scenario, ReloadScenario]:
+    """The scenario named (or the default) and its workload with the flags given."""
+    sc = get_scenario(a.scenario or DEFAULT_SCENARIO)
+    given = {k: getattr(a, k) for k in WORKLOAD_FLAGS if getattr(a, k) is not None}
     if a.seed is not None:
         given["seed"] = a.seed
-    scenario = ReloadScenario(**given)
+    workload = dataclasses.replace(sc.workload, **given)
     # Every request holds its hash ids: a scenario that cannot fit in memory is refused
     # before it is built (--contexts 1e30 would otherwise build until the host gave out).
-    requests = 2 * scenario.contexts
-    ids = -(-(scenario.prefix_len + scenario.context_len + scenario.suffix_len) // scenario.block_tokens)
+    requests = 2 * workload.contexts
+    ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
     need = requests * ids * SCENARIO_BYTES_PER_ID
     if need > budget.mem_available():
-        raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed')}: the scenario's {requests} requests "
-                         f"of {ids} hash ids need about {need} bytes of memory, {budget.mem_available()} available")
-    return scenario
+        raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
+                         f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
+                         f"{budget.mem_available()} available")
+    return sc, workload
 
 
 def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -128,23 +134,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "disk = kvoffload's DiskBackend, vllm-disk = vLLM 0.33's. Options: pagecache, threads=N "
                         "(IO threads per slot file and direction), ios-per-thread=N (IOs in flight per IO thread: "
                         "its queue depth); disk only: "
-                        "unit=SIZE, seal=aes-gcm|xxh3|off, paths=N. Default: " + " ".join(SCENARIO_TIERS)
-                        + " for the reload scenario, " + " ".join(TRACE_TIERS) + " for a trace")
-    _model_args(r, f"{SCENARIO_MODEL} for the reload scenario, {DEFAULT_MODEL} for a trace")
-    r.add_argument("--hardware", default=DEFAULT_PROFILE, metavar="PROFILE",
-                   help=f"IO profile: {' or '.join(BUILTIN)}, or a JSON file from `kvsim calibrate` "
-                        f"(default {DEFAULT_PROFILE})")
+                        "unit=SIZE, seal=aes-gcm|xxh3|off, paths=N. Default: the scenario's, "
+                        + " ".join(TRACE_TIERS) + " for a trace")
+    _model_args(r, f"the scenario's, {DEFAULT_MODEL} for a trace")
+    r.add_argument("--hardware", metavar="PROFILE",
+                   help=f"IO profile: {', '.join(BUILTIN)}, or a JSON file from `kvsim calibrate` "
+                        f"(default: the scenario's, {DEFAULT_PROFILE} for a trace)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     r.add_argument("--plot", metavar="FILE", type=cli_args.OutputFile(PLOT_SUFFIXES),
                    help=f"write TTFT CDFs and hit rates per tier ({', '.join(PLOT_SUFFIXES)})")
     r.add_argument("--load-policy", choices=LOAD_POLICIES,
-                   help="always load offloaded blocks (vLLM), or recompute when that finishes sooner (default: faster)")
+                   help="always load offloaded blocks (vLLM), or recompute when that finishes sooner "
+                        "(default: the scenario's, faster for a trace)")
     r.add_argument("--max-num-batched-tokens", type=POS_INT, default=Hardware.max_num_batched_tokens)
     r.add_argument("--max-num-seqs", type=POS_INT, default=Hardware.max_num_seqs)
     r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
-                   help="GPU KV cache (default: what vLLM allots on one H200 at 0.9 memory utilisation)")
+                   help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
+                        "memory utilisation)")
     r.add_argument("--host-free", type=SIZE, metavar="SIZE",
-                   help="free host memory: the page cache's capacity (page-cache tiers only; default 256GiB)")
+                   help="free host memory: the page cache's capacity (page-cache tiers only; default: the "
+                        "scenario's, 256GiB for a trace)")
     t = r.add_argument_group("trace (with TRACE)")
     t.add_argument("--time-scale", type=TIME_SCALE, help="multiply arrival times (2 = half the rate)")
     t.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
@@ -154,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _scenario_args(r)
 
     g = sub.add_parser("generate", help="write a built-in scenario as a kvsim trace")
-    g.add_argument("scenario", choices=["reload"])
+    g.add_argument("kind", choices=["reload"])
     g.add_argument("-o", "--out", type=cli_args.OutputFile(), help="output file (default: stdout)")
     g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order (0)")
     _scenario_args(g)
@@ -176,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
     c.add_argument("--base", metavar="PROFILE",
                    help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
+    c.add_argument("--drives", type=POS_INT,
+                   help="drives the profile has (default: the bench's directories; every rate is one drive's)")
     return top
 
 
@@ -192,34 +203,44 @@ def _plot_target(path: str) -> None:
 
 
 def _replay(a: argparse.Namespace) -> int:
+    sc = None
     if a.trace is None:
         _refuse(a, ("time_scale", "sample", "limit"), "trace flags; without a TRACE the reload scenario "
                 "replays (its rates: --fill-rate, --reload-rate)")
+        sc, workload = _scenario(a)
     else:
         _refuse(a, SCENARIO_FLAGS, "reload-scenario flags; they do nothing with a TRACE")
         if a.sample is None:
             _refuse(a, ("seed",), "--seed only seeds --sample for a trace")
-    tiers = a.tier or [parse_tier(t) for t in (SCENARIO_TIERS if a.trace is None else TRACE_TIERS)]
+    tiers = a.tier or [parse_tier(t) for t in (sc.tiers if sc else TRACE_TIERS)]
     if all(t.kind == "none" for t in tiers):
         _refuse(a, ("load_policy",), "no offload tier to load from")
     if not any(t.page_cache for t in tiers):
         _refuse(a, ("host_free",), "only page-cache tiers (disk:SIZE:pagecache) use free host memory")
     if a.plot:
         _plot_target(a.plot)
-    model = _model(a, SCENARIO_MODEL if a.trace is None else DEFAULT_MODEL)
+    model = _model(a, sc.model if sc else DEFAULT_MODEL)
     hw = dataclasses.replace(Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv,
-                             host_free_bytes=a.host_free or Hardware.host_free_bytes)
-    profile = load_profile(a.hardware)
-    if a.trace is None:
-        requests = _scenario(a).requests()
-        title = "reload scenario"
+                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv or (sc.gpu_kv_bytes if sc else None),
+                             host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
+    profile = load_profile(a.hardware or (sc.hardware if sc else DEFAULT_PROFILE))
+    policy = a.load_policy or (sc.load_policy if sc else "faster")
+    if sc is not None:
+        requests = workload.requests()
+        title = f"scenario {sc.name}"
+        print(f"kvsim: scenario {sc.name}: {sc.summary}", file=sys.stderr)
     else:
         requests = read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit)
         title = a.trace
+        print(f"kvsim: trace {a.trace}", file=sys.stderr)
+    print(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}",
+          file=sys.stderr)
+    if profile.name == VM_DISK_PROFILE:
+        print(f"kvsim: warning: hardware {profile.name} is the H200 VM's own virtual disk (about 1.5 GiB/s): "
+              f"not a deployment's drive; --hardware h200-ramdrive models one fast local drive", file=sys.stderr)
     title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {hw.kv_bytes(model) / 1e9:,.1f} GB, "
-             f"hardware {profile.name}, load policy {a.load_policy or 'faster'}")
-    cfg = ReplayConfig(model, hw, a.load_policy or "faster", profile)
+             f"hardware {profile.name}, load policy {policy}")
+    cfg = ReplayConfig(model, hw, policy, profile)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:
@@ -237,8 +258,9 @@ def _replay(a: argparse.Namespace) -> int:
             ttfts.append(t)
     if a.json:
         resolved = dataclasses.replace(hw, gpu_kv_bytes=hw.kv_bytes(model))
-        doc = {"title": title, "model": dataclasses.asdict(model), "hardware": dataclasses.asdict(resolved),
-               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries}
+        doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
+               "hardware": dataclasses.asdict(resolved), "io_profile": profile.name, "load_policy": cfg.load_policy,
+               "tiers": summaries}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
     else:
@@ -252,7 +274,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _generate(a: argparse.Namespace) -> int:
-    requests = _scenario(a).requests()
+    requests = _scenario(a)[1].requests()
     if a.out:
         text = io.StringIO()
         write_kvsim(requests, text)
@@ -283,7 +305,7 @@ def _hitrate(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
     base = load_profile(a.base) if a.base else None
-    profile = calibrate(load_bench(a.bench), name, a.bench, base)
+    profile = calibrate(load_bench(a.bench), name, a.bench, base, a.drives)
     text = json.dumps(profile.to_json(), indent=1) + "\n"
     table = fidelity_table(profile)
     if a.out:

@@ -49,7 +49,8 @@ class Engine:
             raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
         self.model, self.hw, self.tier = model, hw, tier
         self.bs = hw.block_size
-        self.gpu = GpuPrefixCache(hw.kv_bytes(model) // (model.kv_bytes_per_token * self.bs))
+        # vLLM's GPU BlockPool keeps block 0 as its null block: it holds no KV.
+        self.gpu = GpuPrefixCache(hw.kv_bytes(model) // (model.kv_bytes_per_token * self.bs) - 1)
         self._next_event_time = next_event_time
         self.load_policy = load_policy
         self.waiting: deque[Request] = deque()
@@ -91,7 +92,7 @@ class Engine:
 
     def on_arrival(self, ev: Event) -> list[Event]:
         req: Request = ev.payload
-        need = math.ceil((req.prompt + req.output) / self.bs)
+        need = self._blocks_needed(req)
         if need > self.gpu.num_blocks:
             self.rejected.append(req)  # could never fit, would block the queue forever
             return []
@@ -111,14 +112,19 @@ class Engine:
 
     def on_step(self, ev: Event) -> list[Event]:
         now = ev.time_ns
+        out: list[Event] = []  # the tier's polling may start transfers (a second hop)
+        resumed = []
+        if self.tier is not None:
+            # Polled before the batch's finished requests free their blocks: a store done
+            # during a fast-forwarded run of decode steps was seen at one of its boundaries.
+            released: list = []
+            resumed = self.tier.poll(now, out, released)
+            self.gpu.unpin(released)
         if ev.payload is not None:
             self._finish_batch(now, ev.payload)
-        out: list[Event] = []  # the tier's polling may start transfers (a second hop)
-        if self.tier is not None:
-            resumed = self.tier.poll(now, out)
-            for req in resumed:
-                self._resume(req, now)
-            self.waiting.extendleft(reversed(resumed))
+        for req in resumed:
+            self._resume(req, now)
+        self.waiting.extendleft(reversed(resumed))
         batch, dur = self._schedule(now, out)
         if batch is None:
             self._busy = False
@@ -136,16 +142,22 @@ class Engine:
         batch = Batch()
         # The hottest loop of a replay: locals only.
         prefills, decodes, chunked, ctx = batch.prefills, batch.decodes, hw.chunked_prefill, 0
+        bs = self.bs
         for r in self.running:
             left = r.prompt - r.computed
             if left:
                 n = left if left < budget else budget
                 if n and (chunked or n == left):
                     prefills.append((r, n))
+                    self._take(r, r.computed + n)
+                    self._publish(r, r.units.within((r.computed + n) // bs))
                     budget -= n
             elif budget:
                 decodes.append(r)
-                ctx += r.prompt + r.generated
+                fed = r.prompt + r.generated  # with the KV of the token it feeds
+                if fed > r.num_held * bs:
+                    self._take(r, fed)
+                ctx += fed
                 budget -= 1
         batch.decode_ctx = ctx
         while self.waiting and budget and len(self.running) < hw.max_num_seqs:
@@ -164,6 +176,8 @@ class Engine:
             self.waiting.popleft()
             self.running.append(r)
             batch.prefills.append((r, n))
+            self._take(r, r.computed + n)
+            self._publish(r, r.units.within((r.computed + n) // bs))
             budget -= n
         if not batch.prefills and not batch.decodes:
             return None, 0
@@ -220,6 +234,21 @@ class Engine:
         ctx = batch.decode_ctx
         return self.step_ns(flops + m.decode_flops(len(batch.decodes), ctx), ctx * m.kv_bytes_per_token)
 
+    def _blocks_needed(self, r: Request) -> int:
+        """GPU blocks a request ever holds: one KV slot per token it feeds, the prompt and
+        every output token but the last (sampled, never fed back)."""
+        return math.ceil((r.prompt + r.output - 1) / self.bs)
+
+    def _take(self, r: Request, tokens: int) -> None:
+        """Take from its reservation the blocks the KV of its first ``tokens`` tokens needs,
+        when vLLM would allocate them (the step that computes or loads them)."""
+        n = min(r.num_reserved, -(-tokens // self.bs) - r.num_held)
+        if n > 0:
+            self.gpu.take(n)
+            r.num_reserved -= n
+            r.num_anon += n
+            r.num_held += n
+
     def _admit(self, now: int, r: Request, out: list[Event]) -> str:
         """Allocate GPU blocks for a waiting request; ``blocked``, ``parked`` or ``ready``."""
         bs = self.bs
@@ -231,15 +260,15 @@ class Engine:
         cap = u.within((r.prompt - 1) // bs)
         g = min(self.gpu.lookup(keys), cap)
         hit = u.blocks(g)
-        total = math.ceil((r.prompt + r.output) / bs)
+        total = self._blocks_needed(r)
         if not self.gpu.can_allocate(keys[:g], total - hit):
             return "blocked"
-        self.gpu.allocate(keys[:g], total - hit)
+        r.owned = self.gpu.allocate(keys[:g], total - hit)
         self._waiting_tokens -= r.prompt
         r.allocated = True
         r.admitted_ns = now
-        r.owned = keys[:g]
-        r.num_anon = total - hit
+        r.num_reserved = total - hit
+        r.num_held = hit
         r.published = g
         r.computed = hit * bs
         r.gpu_hit_blocks = hit
@@ -258,6 +287,7 @@ class Engine:
                 tier.cancel_load(plan)  # unpin: recompute instead
                 m = 0
             else:
+                self._take(r, (hit + n_load) * bs)  # the blocks the load writes into
                 out.append(tier.load(now, plan, r))
                 r.load_blocks = n_load
                 r.load_eta_ns = now + eta
@@ -284,13 +314,16 @@ class Engine:
         r.computed = (r.gpu_hit_blocks + r.load_blocks) * self.bs
 
     def _publish(self, r: Request, upto: int) -> None:
+        """Cache the request's units before ``upto`` on the GPU. vLLM caches a block when
+        the step that computes it is scheduled (``KVCacheManager.allocate_slots``), so a
+        request scheduled later in the same step already hits it; the offload tier is
+        offered a unit only once it is computed (``_finish_batch``)."""
         gpu, u, owned = self.gpu, r.units, r.owned
         keys, last = u.keys, len(u.keys) - 1
         for i in range(r.published, upto):
             w = u.last if i == last else u.per_unit
-            if gpu.publish(keys[i], w):
-                owned.append(keys[i])
-                r.num_anon -= w
+            owned.append(gpu.publish(keys[i], w))
+            r.num_anon -= w
         r.published = upto
 
     def _finish_batch(self, now: int, batch: Batch) -> None:
@@ -298,16 +331,17 @@ class Engine:
         for r, n in batch.prefills:
             r.computed += n
             upto = r.units.within(r.computed // bs)
-            if upto > r.published:
-                self._publish(r, upto)
-                if tier is not None:  # eager: every newly computed unit, once
-                    tier.store(now, r.units, r.offered, upto)
-                    r.offered = upto
+            if tier is not None and upto > r.offered:  # eager: every newly computed unit, once
+                self.gpu.pin(tier.store(now, r.units, r.offered, upto, r.owned[r.offered:upto]))
+                r.offered = upto
             if r.computed == r.prompt:
                 r.first_token_ns = now
                 r.generated = 1
         for r in batch.decodes:
             r.generated += batch.steps
+            # A fast-forward's later steps took their blocks too; nothing else ran meanwhile.
+            if r.prompt + r.generated - 1 > r.num_held * bs:
+                self._take(r, r.prompt + r.generated - 1)
         # Only a request in this batch can have finished with it.
         done = [r for r, _ in batch.prefills if r.computed == r.prompt and r.generated >= r.output]
         done += [r for r in batch.decodes if r.generated >= r.output]
@@ -315,7 +349,7 @@ class Engine:
             return
         for r in done:
             r.finish_ns = now
-            self.gpu.free(r.owned, r.num_anon)
+            self.gpu.free(r.owned, r.num_anon, r.num_reserved)
             r.units = None
             r.owned = []
             self.finished.append(r)

@@ -1,13 +1,12 @@
-"""The reload scenario: the classic disk-offload experiment as a kvsim trace.
+"""The reload workload: the classic disk-offload experiment as a kvsim trace.
 
-A deployment whose tiers differ: Qwen3-32B on one H200 (about 58 GB of GPU KV cache
-once its 66 GB of weights are loaded), a shared 12,288-token system prompt and
-``contexts`` user contexts, together about 80 GB of KV: more than the GPU cache and
-far more than an 8 GB DRAM tier, less than a 100 GB disk tier. A fill phase visits
-every context once; a reload phase then returns to each in a shuffled order (seeded),
-so whether a context is still on the GPU, or in a tier, depends on what came since,
-as it does in service. Every request asks a new question (the suffix). Requests are
-labelled ``fill`` and ``reload``: the report gives TTFT per phase.
+A shared system prompt (12,288 tokens, the #49644 shape) and ``contexts`` user
+contexts behind it. A fill phase visits every context once; a reload phase then
+returns to each in a shuffled order (seeded), so whether a context is still on the
+GPU, or in a tier, depends on what came since, as it does in service. Every request
+asks a new question (the suffix). Requests are labelled ``fill`` and ``reload``: the
+report gives TTFT per phase. The named scenarios (scenarios.py) size it and put a
+model, a GPU and tiers around it.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from dataclasses import dataclass
 
 from kvsim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-# The model the scenario is sized for (--model changes it; sizes stay in tokens).
-SCENARIO_MODEL = "qwen3-32b"
 PHASES = ("fill", "reload")
 
 

@@ -2,9 +2,10 @@
 
 No time, no concurrency: each request first looks up its prefix, then all its units
 become most recent, tail first so the shared prefix stays hottest; capacity counts
-vLLM blocks, as the timed caches do (units, request.py). A timed replay can only do
-worse at equal capacity (blocks in use cannot be shared before they are computed,
-nor evicted), and matches it as arrivals are spread out.
+vLLM blocks, as the timed caches do (units, request.py). A timed replay at equal
+capacity differs by LRU order only, either way (it frees blocks when a request
+finishes, holds those in use and reserved, and shares a block as soon as its step
+is scheduled, as vLLM does): within a point on the test trace.
 """
 
 from __future__ import annotations

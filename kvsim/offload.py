@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvoffload.config import num_slots
@@ -35,6 +35,7 @@ class Job:
     keys: list[int]
     num_blocks: int
     payload: Any = None  # loads: the parked request
+    pins: list[Any] = field(default_factory=list)  # stores from the GPU: the GPU copies they read
 
 
 @dataclass(slots=True)
@@ -49,20 +50,23 @@ class LoadPlan:
 
 class OffloadTier:
     def __init__(self, spec: TierSpec, hw: Hardware, profile: IoProfile, block_bytes: int, unit_blocks: int,
-                 max_units: Optional[int] = None, host_device: bool = False) -> None:
+                 max_units: Optional[int] = None, host_device: bool = False, null_block: bool = True) -> None:
         """``unit_blocks`` vLLM blocks per pool slot; ``max_units``: distinct units the
         replay can ever offer (a pool with more slots never evicts, so it gets no more:
         memory follows the trace, not the capacity). ``host_device``: a secondary tier
-        moving blocks between host memory (the CPU primary) and disk."""
+        moving blocks between host memory (the CPU primary) and disk. ``null_block``: the
+        pool is a vLLM ``BlockPool`` (vLLM's simple offload connector, and so
+        ``KvoffloadConnector``), whose block 0 is its null block and holds nothing."""
         assert spec.kind in ("cpu", "disk", "vllm-disk") and spec.secondary is None
         self.block_bytes = block_bytes
         self.pipe = spec.pipeline
         disk = self.pipe is not None
         # kvoffload's sizing rule: an O_DIRECT slot is the block padded to 4096 bytes.
         slot_bytes = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, spec.page_cache) if disk else block_bytes
-        if spec.capacity_bytes < slot_bytes * unit_blocks:
-            raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots")
-        self.capacity_units = num_slots(spec.capacity_bytes, slot_bytes) // unit_blocks
+        if spec.capacity_bytes < slot_bytes * (unit_blocks + null_block):
+            raise ValueError(f"tier {spec.text}: smaller than one unit of {unit_blocks} {slot_bytes}-byte slots"
+                             + (" and vLLM's null block" if null_block else ""))
+        self.capacity_units = (num_slots(spec.capacity_bytes, slot_bytes) - null_block) // unit_blocks
         self.pool = SlotPool(min(self.capacity_units, max_units or self.capacity_units))
         self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes, host_device)
         threads = self.xfer.threads if disk else 1
@@ -165,22 +169,29 @@ class OffloadTier:
         self.bytes_loaded += n * self.block_bytes
         return Event(done, Kind.IO_DONE)
 
-    def store(self, now: int, units: Units, start: int, stop: int) -> None:
-        """Offer freshly computed units ``start:stop``; store those the pool gives slots to.
+    def store(self, now: int, units: Units, start: int, stop: int, copies: Sequence[Any] = ()) -> list[Any]:
+        """Offer freshly computed units ``start:stop`` (their GPU ``copies``, in order);
+        store those the pool gives slots to, and return their copies: vLLM holds a GPU
+        block until its store is done (``poll`` hands the copies back).
 
         No wake-up event: a store's completion matters only to a later lookup, and
         every lookup happens at a step boundary, which polls first.
         """
-        granted = self.pool.prepare_store(units.keys[start:stop])
+        keys = units.keys[start:stop]
+        granted = self.pool.prepare_store(keys)
         if not granted:
-            return
+            return []
         n = len(granted) * units.per_unit
         # The request's last unit may hold fewer full blocks: the job carries its weight.
         last = units.last if stop == len(units.keys) and granted[-1][0] == units.keys[-1] else units.per_unit
         n -= units.per_unit - last
-        self.store_slots(now, granted, n, (units.per_unit, last))
+        copy_of = dict(zip(keys, copies))
+        pins = [copy_of[k] for k, _ in granted if k in copy_of]
+        self.store_slots(now, granted, n, (units.per_unit, last), pins)
+        return pins
 
-    def store_slots(self, now: int, granted: list[tuple[int, int]], num_blocks: int, payload: Any = None) -> None:
+    def store_slots(self, now: int, granted: list[tuple[int, int]], num_blocks: int, payload: Any = None,
+                    pins: Optional[list[Any]] = None) -> None:
         """Store units ``granted`` (``(key, slot)``s from ``pool.prepare_store``) of ``num_blocks``."""
         fresh = 0
         if self.pipe is not None:
@@ -195,13 +206,15 @@ class OffloadTier:
             self.page_cache.touch([s for _, s in granted])
             # Buffered writes return once copied unless the dirty backlog is over the limit.
             done = max(done, self._writeback.dirty(now, num_blocks * self.block_bytes))
-        self._jobs[True].append(Job(done, [h for h, _ in granted], num_blocks, payload))
+        self._jobs[True].append(Job(done, [h for h, _ in granted], num_blocks, payload, pins or []))
         self.bytes_stored += num_blocks * self.block_bytes
 
-    def poll(self, now: int, out: list[Event]) -> list[Any]:
+    def poll(self, now: int, out: list[Event], released: list[Any]) -> list[Any]:
         """Complete finished jobs; return the resumed requests. ``out`` takes the events of
-        transfers a poll starts (a two-level tier's second hop; none here)."""
-        self.poll_stores(now)
+        transfers a poll starts (a two-level tier's second hop; none here), ``released``
+        the GPU copies of the finished stores."""
+        for job in self.poll_stores(now):
+            released += job.pins
         return [job.payload for job in self.poll_loads(now)]
 
     def poll_stores(self, now: int, in_order: bool = True) -> list[Job]:

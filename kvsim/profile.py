@@ -3,9 +3,10 @@
 ``python -m kvsim calibrate BENCH.json -o hw.json`` writes one from the output of
 ``python -m kvoffload.bench --json`` (calibrate.py); ``--hardware hw.json`` (or a
 built-in name) uses it. Rates are GiB/s, as the bench prints them. The built-in
-profiles are the H200's own disk (the default) and four RAM-backed drives on the
-same host (the fast-drive array of the performance issue), both calibrated from
-the bench runs recorded in ``tests/data``.
+profiles, all calibrated from the bench runs recorded in ``tests/data``: one
+RAM-backed drive on the H200 (the default: the stand-in for one fast NVMe drive),
+four of them (the fast-drive array of the performance issue), and the H200 VM's own
+virtual disk, which is what kvoffload's bench ran on, not a deployment's drive.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from kvoffload.cli_args import finite_number, read_json, where
 
 GiB = 1 << 30
 PROFILE_DIR = Path(__file__).parent / "profiles"
-BUILTIN = {"h200-disk": "h200_disk.json", "h200-array": "h200_array.json"}
-DEFAULT_PROFILE = "h200-disk"
+BUILTIN = {"h200-disk": "h200_disk.json", "h200-array": "h200_array.json", "h200-ramdrive": "h200_ramdrive.json"}
+# The VM's own virtual disk: a profile for what kvsim itself runs on, not for a deployment.
+VM_DISK_PROFILE = "h200-disk"
+DEFAULT_PROFILE = "h200-ramdrive"
 SEALS = ("aes-gcm", "xxh3", "off")
 # A file load moves each byte through DRAM about five times (page cache or drive
 # read, staging write, seal read and write, DMA read) against a memcpy's two.
@@ -76,8 +79,9 @@ class IoProfile:
     cpus: int  # the host's cores: kvoffload sizes its IO threads by them
     disk_read: DiskDirection
     disk_write: DiskDirection
-    # One thread's buffered copy out of (into) the page cache; all threads together
-    # are bounded by host_io_gib_s.
+    # One thread's buffered copy out of the page cache; buffered writes into one file,
+    # whose threads take turns on its inode lock. All threads together are bounded by
+    # host_io_gib_s.
     page_cache_read_gib_s: float
     page_cache_write_gib_s: float
     # File IO of all threads through host memory: the staging buffers, the seal and
@@ -208,7 +212,7 @@ def _part(cls: type, value: Any, path: str, doc: Any, key: str) -> Any:
 
 
 def load_profile(name_or_path: str) -> IoProfile:
-    """A built-in profile by name (``h200-disk``, ``h200-array``) or a JSON file by path."""
+    """A built-in profile by name (``BUILTIN``) or a JSON file by path."""
     path = PROFILE_DIR / BUILTIN[name_or_path] if name_or_path in BUILTIN else Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"--hardware {name_or_path!r}: no such file, and not one of {', '.join(BUILTIN)}")

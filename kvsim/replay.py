@@ -149,7 +149,7 @@ def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, n
         out["warnings"].append(
             f"{spec.text}: queueing for the GPU is {queue_share:.0%} of TTFT (P50 {out['queue_ms']['p50']:,.0f} ms): "
             f"the simulated GPU is overloaded or the arrivals come in bursts, so the GPU sets TTFT, not the "
-            f"tier; slow the arrivals (--time-scale, --sample)")
+            f"tier; slow the arrivals (a trace: --time-scale, --sample; a scenario: --fill-rate, --reload-rate)")
     if tier is not None:
         _add_io(out, tier, profile, end_ns)
     if isinstance(tier, TwoLevelTier):

@@ -13,7 +13,7 @@ partial tail block vLLM never caches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvsim.trace import TraceRequest
 
@@ -66,8 +66,10 @@ class Request:
     admitted_ns: Optional[int] = None  # GPU blocks allocated: the end of its queueing
     computed: int = 0  # prompt tokens whose KV is on the GPU
     generated: int = 0
-    owned: list[int] = field(default_factory=list)  # GPU cache units referenced
-    num_anon: int = 0  # GPU blocks held outside the cache (not yet computed, duplicates, output)
+    owned: list[Any] = field(default_factory=list)  # the GPU cache's copies it references (gpu_cache.py)
+    num_anon: int = 0  # GPU blocks taken but not cached (not yet computed, duplicates, output)
+    num_reserved: int = 0  # GPU blocks reserved at admission, not yet taken
+    num_held: int = 0  # GPU blocks in its block table: hit and taken
     published: int = 0  # leading units published to the GPU cache
     offered: int = 0  # leading units offered to the offload tier
     gpu_hit_blocks: int = 0

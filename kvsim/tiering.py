@@ -28,6 +28,7 @@ policy drops (vLLM has no such policy) has still evicted what its CPU slots held
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -57,8 +58,10 @@ class TwoLevelTier:
                  max_units: Optional[int] = None) -> None:
         assert spec.kind == "cpu" and spec.secondary is not None
         primary = dataclasses.replace(spec, secondary=None, text=spec.text.split("+")[0])
-        self.cpu = OffloadTier(primary, hw, profile, block_bytes, unit_blocks, max_units)
-        self.disk = OffloadTier(spec.secondary, hw, profile, block_bytes, unit_blocks, max_units, host_device=True)
+        # vLLM's OffloadingConnector pools (its CPU manager, kvoffload's SlotTier) have no null block.
+        self.cpu = OffloadTier(primary, hw, profile, block_bytes, unit_blocks, max_units, null_block=False)
+        self.disk = OffloadTier(spec.secondary, hw, profile, block_bytes, unit_blocks, max_units, host_device=True,
+                                null_block=False)
 
     # -- what the summary reads: PCIe between GPU and CPU, IO on the disk level --------
 
@@ -160,12 +163,13 @@ class TwoLevelTier:
         p.req, p.plan = req, plan
         return self.disk.load_slots(now, p.keys, p.slots, p.weights, p)
 
-    def store(self, now: int, units: Units, start: int, stop: int) -> None:
+    def store(self, now: int, units: Units, start: int, stop: int, copies: Sequence[Any] = ()) -> list[Any]:
         """GPU -> CPU primary; the disk gets them once the CPU has them (``poll``)."""
-        self.cpu.store(now, units, start, stop)
+        return self.cpu.store(now, units, start, stop, copies)
 
-    def poll(self, now: int, out: list[Event]) -> list[Any]:
+    def poll(self, now: int, out: list[Event], released: list[Any]) -> list[Any]:
         for job in self.cpu.poll_stores(now):
+            released += job.pins
             self._cascade(now, job)
         for job in self.disk.poll_stores(now, in_order=False):
             self.cpu.pool.complete_load(job.payload, ok=True)  # the CPU copies read for it

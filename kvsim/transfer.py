@@ -72,8 +72,13 @@ class TransferModel:
         return fresh * self._first * max(1.0, k / self.paths) if fresh else 0.0
 
     def page_cache_ns(self, k: int, write: bool) -> float:
-        """A buffered copy of one slot out of (into) the page cache."""
-        return max(self.slot_bytes / self._page_cache[write], self.slot_bytes * k / self._host)
+        """A buffered copy of one slot out of (into) the page cache, on one of k threads.
+
+        Reads are per thread. A buffered write holds its file's inode lock (ext4 and xfs
+        take ``i_rwsem`` exclusively for it), so the threads writing one slot file take
+        turns: the write rate is the file's, shared by its threads (k / paths)."""
+        sharers = max(1.0, k / self.paths) if write else 1.0
+        return max(self.slot_bytes * sharers / self._page_cache[write], self.slot_bytes * k / self._host)
 
     def io_ns(self, k: int, write: bool) -> float:
         """A store's IO of one block: a copy into the page cache, or an O_DIRECT write."""

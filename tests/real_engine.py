@@ -125,6 +125,9 @@ class EngineSpec:
 class EngineResult:
     outputs: list[list[list[int]]]  # [round][prompt] -> generated token ids
     cached: list[list[int]]  # [round][prompt] -> RequestOutput.num_cached_tokens
+    # [round][prompt] -> [device prefix-hit, connector (disk) hit, computed] prompt tokens,
+    # as vLLM's scheduler split them when it first scheduled the request (PrefillStats)
+    sources: list[list[list[int]]]
     metrics: dict[str, float]  # vLLM's counters and gauges, "name{label=value}" -> value
     # ["store" | "load" | "failed", slots], in the order the worker launched the jobs
     # and reported failed loads to vLLM
@@ -232,19 +235,21 @@ def _engine_main(spec: EngineSpec, out_file: Path) -> None:
     records = _Records()
     logging.getLogger("vllm").addHandler(records)
     backend = _spy_on_backend()
+    split = _spy_on_prefill_stats(llm)
     sp = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
-    outputs, cached = [], []
+    outputs, cached, sources = [], [], []
     for i, prompts in enumerate(spec.rounds):
         if i and spec.fault == "flip_byte" and backend is not None:
             _flip_a_byte_in_every_written_slot(backend, Tamper)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         outputs.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens or 0 for o in outs])
+        sources.append([split.pop(o.request_id) for o in outs])
     metrics = _metrics(llm)
     _shutdown(llm)
     del llm
     result = EngineResult(
-        outputs=outputs, cached=cached, metrics=metrics,
+        outputs=outputs, cached=cached, sources=sources, metrics=metrics,
         events=getattr(backend, "kvo_events", []),
         recovered=records.recovered, kvoffload_failed_loads=records.failed_loads,
         faults_fired=dict(osc.fired), left_in_dir=sorted(os.listdir(spec.disk_dir)),
@@ -257,6 +262,26 @@ def _zero_read(info: Any) -> None:
     """After a real preadv: zero what it read (integrity must be off to let it through)."""
     for buf in info.args[1]:
         memoryview(buf).cast("B")[:] = bytes(len(memoryview(buf).cast("B")))
+
+
+def _spy_on_prefill_stats(llm: Any) -> dict[str, list[int]]:
+    """By request id: ``[device hit, connector hit, computed]`` prompt tokens of the
+    request's first scheduling, from the ``PrefillStats`` the engine core sends with its
+    first output (the output processor keeps only their sum, ``num_cached_tokens``)."""
+    proc = llm.llm_engine.output_processor
+    split: dict[str, list[int]] = {}
+    process = proc.process_outputs
+
+    def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for out in engine_core_outputs:
+            stats, state = out.prefill_stats, proc.request_states.get(out.request_id)
+            if stats is not None and state is not None:
+                split[state.external_req_id] = [stats.num_local_cached_tokens, stats.num_external_cached_tokens,
+                                                stats.num_computed_tokens]
+        return process(engine_core_outputs, *args, **kwargs)
+
+    proc.process_outputs = process_outputs
+    return split
 
 
 def _spy_on_backend() -> Any:

@@ -45,7 +45,7 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
                 want += [f"{name} {mode} {seal} {op}" for op in DISK_OPS]
     want += [f"llama stripe 2 paths 1 disk {op}" for op in STRIPE_OPS]
     want += [f"llama stripe 2 dirs {seal} {op}" for seal in bench.SEALS for op in STRIPE_OPS]
-    want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read")]
+    want += [f"llama raw direct-{k} 2 dirs" for k in ("write", "read", "read cycling")]
     want += [f"seal {s} 1 thread" for s in ("aes-gcm", "xxh3")]
     assert sorted(set(want) - set(rows)) == []
     for r in out["cases"]:
@@ -67,9 +67,13 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
                       "io_unit_bytes", "paths", "drives", "passes"):
                 assert k in d, (k, r)
             assert d["blocks"] * d["block_bytes"] == r["bytes"] // d["passes"]
-    # A striped case is compared with all drives' raw, then one drive's.
+    # A striped load is compared with all drives' raw reads cycling through the staging's
+    # worth of memory (its main ceiling), then into one reused buffer, then one drive's.
     s = rows["llama stripe 2 dirs aes-gcm cold-load"]
-    assert list(s["ratios"]) == ["llama raw direct-read 2 dirs", "llama raw direct-read"]
+    assert list(s["ratios"]) == ["llama raw direct-read cycling 2 dirs", "llama raw direct-read 2 dirs",
+                                 "llama raw direct-read"]
+    cycling = rows["llama raw direct-read cycling 2 dirs"]["detail"]
+    assert cycling["footprint"] == 2 * out["config"]["io_threads_used"] * 2 * out["config"]["io_unit_bytes"]
     assert rows["llama stripe 2 dirs xxh3 store"]["detail"]["drives"] == 2
     # A first store is also compared with the rewrite after it; a page-cache warm load
     # with the host-memory bound, 2/3 of the same run's memcpy.
@@ -260,3 +264,28 @@ def test_an_interrupt_leaves_no_measurement_thread_running():
     with pytest.raises(KeyboardInterrupt):
         run_all_threads(threads, start, halt, interrupted)
     assert not any(t.is_alive() for t in threads) and halt.is_set() and start.broken
+
+
+def test_engine_group_reports_both_ratios_per_case(capsys, tmp_path):
+    # Goal: --only engine runs the worker-shaped steps on both paths, directions and
+    # drive sets, every case with its two ratios, their spread, its repeats and no
+    # failed job, and nothing else (no disk cases, no probe); no file is left.
+    out = run_quick(capsys, tmp_path, "--only", "engine", "--engine-shares", "0.5")
+    assert out["ok"] and out["cases"] == []
+    got = {(r["path"], r["direction"], r["drives"]) for r in out["engine"]}
+    assert got == {(p, d, n) for p in ("gpu", "tier", "raw") for d in ("load", "store") for n in (1, 2)}
+    for r in out["engine"]:
+        assert r["share"] == 0.5 and r["repeats"] == 2 and r["failed_jobs"] == 0, r
+        # A 0.1 s segment on a loaded CI machine may finish no job: rates can be 0, not negative.
+        assert r["gib_s_busy"] >= 0 and r["gib_s_ref"] > 0 and r["python_ms_alone"] > 0, r
+        lo, hi = r["engine_step_ratio_spread"]
+        assert 0 < lo == r["engine_step_ratio"] <= r["engine_step_ratio_median"] <= hi, r
+        lo, hi = r["bandwidth_ratio_spread"]
+        assert 0 <= lo <= r["bandwidth_ratio_median"] <= hi == r["bandwidth_ratio"], r
+        assert len(r["detail"]["gib_s_busy"]) == r["repeats"]
+
+
+@pytest.mark.parametrize("flag, value", [("--engine-shares", "0"), ("--engine-shares", "1.5"),
+                                         ("--engine-shares", "x"), ("--engine-paths", "gpu,disk")])
+def test_engine_flags_are_checked(capsys, flag, value):
+    assert f"argument {flag}: " in one_line_error(capsys, ["--device", "cpu", flag, value])

@@ -76,10 +76,11 @@ def test_kvoffload(paths, data):
 
 BENCH = dict(
     good={"--layout": st.sampled_from(["big:2x4096", "one:1x1"]), "--dram-streams": st.sampled_from(["1", "1,3"]),
-          "--device": st.just("cpu")},
+          "--device": st.just("cpu"), "--engine-shares": st.sampled_from(["0.5", "0.25,0.75"])},
     bad={"--layout": st.sampled_from(["big", "big:0x4096", "big:2xq", ":2x4096", "a:b:c"]),
          "--dram-streams": st.sampled_from(["0", "1,1", "x", "", "1,-2"]),
-         "--device": st.sampled_from(["bogus", *NO_CUDA])},
+         "--device": st.sampled_from(["bogus", *NO_CUDA]),
+         "--engine-shares": st.sampled_from(["0", "1", "nan", "0.5,inf", "", "x"])},
     # --make-array builds loop devices as root: its refusals have their own tests (test_bench_array.py).
     skip=("--make-array", "--array-gib", "--fs"),
 )

@@ -4,6 +4,7 @@ kvsim then predicts the bench's own store and load times (docs/kvsim.md)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from kvsim.tiers import (KVOFFLOAD_BUFFER_SLOTS, KVOFFLOAD_IO_THREADS, KVOFFLOAD
                          KVOFFLOAD_TIER_IO_UNIT_BYTES, kvoffload_threads, parse_tier)
 
 DATA = Path(__file__).parent / "data"
-RECORDED = {"h200-disk": "bench_h200_disk.json", "h200-array": "bench_h200_array.json"}
+RECORDED = {"h200-disk": "bench_h200_disk.json", "h200-array": "bench_h200_array.json",
+            "h200-ramdrive": "bench_h200_array.json"}
 # The array's bench ran O_DIRECT cases only: page-cache writes come from the same host's disk profile.
-BASE = {"h200-disk": None, "h200-array": "h200-disk"}
+BASE = {"h200-disk": None, "h200-array": "h200-disk", "h200-ramdrive": "h200-disk"}
+# One of the array's drives: its single-file cases each ran on one (seal_cost: paths 1, drives 1).
+DRIVES = {"h200-ramdrive": 1}
 
 
 def _recorded(name: str) -> Path:
@@ -32,8 +36,16 @@ def _recorded(name: str) -> Path:
 def test_shipped_profiles_are_what_calibration_gives(name):
     path = _recorded(name)
     base = load_profile(BASE[name]) if BASE[name] else None
-    fitted = calibrate(load_bench(str(path)), name, f"tests/data/{RECORDED[name]}", base)
+    fitted = calibrate(load_bench(str(path)), name, f"tests/data/{RECORDED[name]}", base, DRIVES.get(name))
     assert fitted.to_json() == load_profile(name).to_json()
+
+
+def test_the_one_drive_profile_is_one_of_the_arrays_drives():
+    # Goal: h200-ramdrive is h200-array with one drive: the same rates per drive, the
+    # same predictions of the bench's cases (each case runs on the drives it ran on).
+    one, four = load_profile("h200-ramdrive"), load_profile("h200-array")
+    assert (one.drives, four.drives) == (1, 4)
+    assert dataclasses.replace(one, name=four.name, drives=4, notes=four.notes) == four
 
 
 # The rows kvsim still misses by more than TOLERANCE, with the looser bound each is held
@@ -54,6 +66,7 @@ KNOWN_MISSES = {
         "small pagecache aes-gcm rewrite": 0.20,
     },
     "h200-array": {},
+    "h200-ramdrive": {},
 }
 
 

@@ -23,16 +23,33 @@ def test_json_is_byte_identical_across_runs(capsys):
     doc = json.loads(first)
     assert [t["tier"] for t in doc["tiers"]] == ["none", "disk:32GiB"]
     assert doc["tiers"][1]["offload_hit_rate"] > 0 and doc["tiers"][0]["bytes_stored"] == 0
-    assert doc["io_profile"] == "h200-disk"
+    assert doc["io_profile"] == "h200-ramdrive" and doc["scenario"] is None
 
 
 def test_the_default_replay_shows_both_disk_tiers_and_each_phase(capsys):
     assert main(["trace", "replay"]) == 0
-    out = capsys.readouterr().out
-    assert "qwen3-32b" in out and "hardware h200-disk" in out
-    for text in ("vllm-disk:100GB", "disk:100GB", "cpu:8GiB+disk:100GB", "fill TTFT P50", "reload TTFT P99", "IO threads busy",
-                 "stores queued at the end"):
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "scenario dram-limited-nvme" in out and "qwen3-32b" in out and "hardware h200-ramdrive" in out
+    for text in ("vllm-disk:200GB", "disk:100GB", "cpu:8GiB+disk:200GB", "fill TTFT P50", "reload TTFT P99",
+                 "IO threads busy", "stores queued at the end"):
         assert text in out
+    # Which scenario and profile ran, on stderr; no warning for a drive a deployment has.
+    assert "kvsim: scenario dram-limited-nvme: Qwen3-32B on one H200" in captured.err
+    assert "kvsim: hardware h200-ramdrive (fitted to tests/data/bench_h200_array.json)" in captured.err
+    assert "warning: hardware" not in captured.err
+
+
+def test_every_run_says_its_scenario_and_profile_and_warns_of_the_vm_disk(capsys):
+    argv = ["trace", "replay", "--scenario", "vllm-pr-49644", "--contexts", "4", "--tier", "none", "--json"]
+    assert main(argv + ["--hardware", "h200-disk"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["scenario"] == "vllm-pr-49644"
+    assert "kvsim: scenario vllm-pr-49644: vLLM PR #49644's reload benchmark" in captured.err
+    assert "kvsim: warning: hardware h200-disk is the H200 VM's own virtual disk" in captured.err
+    assert main(ARGS) == 0
+    err = capsys.readouterr().err
+    assert f"kvsim: trace {MINI}" in err and "kvsim: hardware h200-ramdrive" in err and "warning" not in err
 
 
 def test_table_and_plot(capsys, tmp_path):
@@ -92,7 +109,9 @@ def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
     ([MINI, "--contexts", "8"], "--contexts: reload-scenario flags; they do nothing with a TRACE"),
     ([MINI, "--seed", "3"], "--seed: --seed only seeds --sample for a trace"),
     (["--tier", "none", "--load-policy", "always"], "--load-policy: no offload tier to load from"),
-    (["--host-free", "64GiB"], "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
+    (["--tier", "disk:1TB", "--host-free", "64GiB"],
+     "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
+    ([MINI, "--scenario", "vllm-pr-49644"], "--scenario: reload-scenario flags; they do nothing with a TRACE"),
     (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB GPU; "
                                 "give the KV cache of one rank with --gpu-kv"),
     (["--hardware", "nope.json"], "--hardware 'nope.json': no such file, and not one of h200-disk, h200-array"),

@@ -20,6 +20,8 @@ from kvsim.models import get_model
 from kvsim.offload import OffloadTier
 from kvsim.profile import DiskDirection, IoCost, load_profile
 from kvsim.replay import ReplayConfig, build, replay
+from kvsim.scenarios import DEFAULT_SCENARIO, get_scenario
+from kvsim.request import Units
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceRequest, read_trace
 
@@ -82,16 +84,29 @@ def test_submitting_many_units_at_once_equals_one_at_a_time():
             assert sorted(bulk._free) == sorted(single._free) and bulk.busy_ns == single.busy_ns
 
 
-def test_gpu_cache_evicts_whole_units_tail_first_and_keeps_duplicates_anonymous():
+def test_gpu_cache_evicts_whole_units_tail_first_and_caches_duplicates():
+    # Goal: vLLM's BlockPool. Blocks are reserved at admission and taken (evicting)
+    # when used; uncached free blocks go before any cached unit; a request frees its
+    # tail first; a unit computed again is a second cached copy (vLLM never
+    # de-duplicates), and a hit takes the oldest copy.
     gpu = GpuPrefixCache(100)
-    gpu.allocate([], 70)
-    assert [gpu.publish(k, 32) for k in (1, 2)] == [True, True]
-    assert not gpu.publish(1, 32)  # a duplicate stays anonymous
-    gpu.free([1, 2], 70 - 64)  # unit 2 (the tail) joins the LRU first
+    owned = gpu.allocate([], 70)
+    gpu.take(70)
+    owned += [gpu.publish(k, 32) for k in (1, 2)]
+    gpu.free(owned, 70 - 64)  # unit 2 (the tail) joins the LRU first
     assert gpu.lookup([1, 2]) == 2 and gpu.num_used == 0
-    gpu.allocate([1], 40)  # 32 + 40 used, 32 evictable: 104 > 100, so unit 2 goes
-    assert gpu.lookup([1, 2]) == 1 and gpu.num_evictions == 1
+    again = gpu.allocate([1], 40)  # 32 referenced, 40 reserved: nothing evicted yet
+    assert gpu.lookup([1, 2]) == 2 and gpu.num_evictions == 0
     assert not gpu.can_allocate([], 29) and gpu.can_allocate([], 28)
+    gpu.take(36)  # 36 uncached free blocks first
+    assert gpu.num_evictions == 0
+    gpu.take(4)  # then the LRU unit: 2
+    assert gpu.lookup([1, 2]) == 1 and gpu.num_evictions == 1
+    second = gpu.publish(1, 32)  # a duplicate of unit 1, cached as its second copy
+    gpu.free(again + [second], 40 - 32)
+    assert gpu.allocate([1], 0) == again  # the oldest copy
+    gpu.take(0)
+    assert gpu.num_used == 32 and gpu.can_allocate([], 68) and not gpu.can_allocate([], 69)
 
 
 def _tier(text: str, profile=H200, unit_blocks: int = 1) -> OffloadTier:
@@ -111,9 +126,9 @@ def test_poll_stops_at_the_first_unfinished_job():
     ev_long = tier.load(now, tier.prepare_load(long_keys, [1] * 150), "long")
     ev_short = tier.load(now, tier.prepare_load(short_keys, [1]), "short")
     assert ev_short.time_ns < ev_long.time_ns
-    assert tier.poll(ev_short.time_ns, []) == []
-    assert tier.poll(ev_long.time_ns - 1, []) == []
-    assert tier.poll(ev_long.time_ns, []) == ["long", "short"]
+    assert tier.poll(ev_short.time_ns, [], []) == []
+    assert tier.poll(ev_long.time_ns - 1, [], []) == []
+    assert tier.poll(ev_long.time_ns, [], []) == ["long", "short"]
     assert tier.pool.num_pinned() == 0
 
 
@@ -146,7 +161,7 @@ def _store_ns(tier: OffloadTier, keys: list[int], now: int) -> int:
     granted = tier.pool.prepare_store(keys)
     tier.store_slots(now, granted, len(granted))
     job = tier._jobs[True][-1]
-    tier.poll(job.done_ns, [])
+    tier.poll(job.done_ns, [], [])
     return job.done_ns - now
 
 
@@ -178,13 +193,39 @@ def test_first_writes_are_tracked_per_slot_used_not_per_slot_of_capacity():
     assert tier.capacity_units > 10**6 and tier.pool.num_slots == 1000 == len(tier._written)
 
 
+def test_a_store_holds_its_gpu_blocks_until_it_is_seen_done():
+    # Goal: vLLM's simple offload scheduler references the GPU blocks a store reads
+    # (``gpu_block_pool.touch``) and frees them when the store completes: a request
+    # that finishes first leaves them cached but not evictable, and on completion they
+    # join the LRU in block order (the head of the prompt evicted first).
+    gpu = GpuPrefixCache(4)
+    tier = _tier("vllm-disk:64MiB")
+    owned = gpu.allocate([], 3)
+    gpu.take(3)
+    owned = [gpu.publish(k, 1) for k in (7, 8, 9)]
+    pins = tier.store(0, Units([7, 8, 9], 1, 1), 0, 3, owned)
+    gpu.pin(pins)
+    gpu.free(owned, 0)  # the request is done before its store
+    assert gpu.lookup([7, 8, 9]) == 3 and not gpu.can_allocate([], 2)
+    released: list = []
+    tier.poll(0, [], released)
+    assert released == []  # not done yet
+    tier.poll(tier._jobs[True][-1].done_ns, [], released)
+    assert released == pins == owned
+    gpu.unpin(released)
+    assert gpu.can_allocate([], 4)
+    owned = gpu.allocate([], 2)
+    gpu.take(2)  # the free block, then the LRU head: unit 7, not the tail
+    assert gpu.lookup([7]) == 0 and gpu.lookup([8, 9]) == 2 and gpu.num_evictions == 1
+
+
 def test_in_flight_stores_are_invisible_until_polled():
     tier = _tier("cpu:1GiB")
     tier.store(0, prompt(3 * 512), 0, 3)
     assert tier.lookup([0, 1, 2]) == 0
-    tier.poll(0, [])
+    tier.poll(0, [], [])
     assert tier.lookup([0, 1, 2]) == 0  # the copy takes time
-    tier.poll(10**9, [])
+    tier.poll(10**9, [], [])
     assert tier.lookup([0, 1, 2]) == 3
 
 
@@ -195,14 +236,18 @@ def prompt(tokens: int):
 
 def test_disk_tiers_size_slots_by_kvoffload_padding_rule():
     # Goal: one sizing rule (kvoffload.config.num_slots): an O_DIRECT slot of an MLA
-    # block (1,124,352 B) is padded to 1,126,400 B, so ten blocks' worth holds nine.
+    # block (1,124,352 B) is padded to 1,126,400 B, so ten blocks' worth holds nine;
+    # vLLM's BlockPool keeps one of them as its null block.
     block = 1_124_352
     cap = 10 * block
     size = {t: OffloadTier(parse_tier(t), Hardware(), H200, block, 1).pool.num_slots
             for t in (f"disk:{cap}", f"disk:{cap}:pagecache", f"cpu:{cap}")}
-    assert list(size.values()) == [9, 10, 10]
-    # One pool slot per unit of 32 blocks: 100 blocks hold 3 units.
+    assert list(size.values()) == [8, 9, 9]
+    assert OffloadTier(parse_tier(f"disk:{cap}"), Hardware(), H200, block, 1, null_block=False).pool.num_slots == 9
+    # One pool slot per unit of 32 blocks: 100 blocks hold 3 units (99 besides the null block).
     assert OffloadTier(parse_tier(f"cpu:{100 * block}"), Hardware(), H200, block, 32).pool.num_slots == 3
+    with pytest.raises(ValueError, match="smaller than one unit of 1 .* and vLLM's null block"):
+        OffloadTier(parse_tier(f"cpu:{block}"), Hardware(), H200, block, 1)
 
 
 def test_memory_follows_the_trace_not_the_capacity():
@@ -255,21 +300,62 @@ def test_replays_are_deterministic():
 
 
 @pytest.mark.parametrize("gpu_gib", [4, 8, 12])
-def test_timed_hit_rate_is_at_most_the_untimed_lru(gpu_gib):
-    # Goal: the oracle invariant (notes §3): concurrency can only cost hits. Allow a
-    # tenth of a point: the timed cache frees blocks at finish, not at arrival, so its
-    # LRU order differs slightly.
+def test_timed_hit_rate_is_close_to_the_untimed_lru(gpu_gib):
+    # Goal: the oracle (notes §3) and the timed cache agree within a point. They differ
+    # by LRU order only, either way: the timed cache frees blocks when a request
+    # finishes, not after its arrival, holds blocks in use and reserved, and shares a
+    # block as soon as its step is scheduled, as vLLM does (so concurrency costs no hit).
     reqs = read_trace(str(MINI), time_scale=4)
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=gpu_gib * GiB)
     timed, _ = replay(reqs, parse_tier("none"), ReplayConfig(MODEL, hw))
     assert timed["rejected"] == 0  # else the two replays would not see the same requests
     untimed = lru_hit_rate(reqs, hw.gpu_kv_bytes // BLOCK_BYTES)
-    assert 0 < timed["gpu_hit_rate"] <= untimed + 0.001
+    assert timed["gpu_hit_rate"] > 0 and abs(timed["gpu_hit_rate"] - untimed) < 0.01
 
 
-def test_the_reload_scenario_is_sized_so_the_tiers_differ():
-    # Goal: the README's scenario. Its working set is larger than the GPU cache and
-    # an 8 GB DRAM tier, smaller than a 100 GB disk; the reload order is shuffled.
+def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
+    # Goal: the README's table. The working set overflows the GPU cache, an 8 GiB DRAM
+    # tier and a 100 GB disk, not a 200 GB one; recomputing the reloads overloads the
+    # GPU. First visits gain nothing from any tier; the reloads gain nothing from DRAM,
+    # part from the disk too small to hold them, and all from the one that holds them.
+    sc = get_scenario(DEFAULT_SCENARIO)
+    reqs = sc.workload.requests()
+    model = get_model(sc.model)
+    units = {h for r in reqs[: sc.workload.contexts] for h in r.hash_ids[:-1]}
+    working_set = len(units) * 512 * model.kv_bytes_per_token
+    assert 8 << 30 < Hardware().kv_bytes(model) < 100e9 < working_set < 200e9
+    hw = dataclasses.replace(Hardware(), host_free_bytes=sc.host_free_bytes)
+    cfg = ReplayConfig(model, hw, sc.load_policy, load_profile(sc.hardware))
+    s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in ("none", "cpu:8GiB", "disk:100GB", "disk:200GB")}
+    p50 = {t: {ph: v["phases"][ph]["ttft_ms"]["p50"] for ph in ("fill", "reload")} for t, v in s.items()}
+    assert len({v["fill"] for v in p50.values()}) == 1
+    assert s["none"]["queue_share_of_ttft"] > 0.5  # recomputing saturates the GPU
+    assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
+    assert 5 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"] / 2
+    assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"]
+
+
+def test_equal_tiers_hit_alike_so_the_page_cache_is_never_faster_than_dram():
+    # Goal: the claim docs/kvsim.md makes against vLLM PR #49644's 32 GB comparison.
+    # Pools of one size given the same requests hit the same tokens (vLLM's LRU, the
+    # -m engine test); a page-cache load copies what a DRAM load moves by DMA, so it is
+    # slower, and an O_DIRECT load slower still. Here the contexts fit 32 GiB and the GPU
+    # holds less, so the tiers serve most reloads (the PR's scenario as given: none).
+    sc = get_scenario("vllm-pr-49644")
+    reqs = dataclasses.replace(sc.workload, contexts=18).requests()
+    hw = dataclasses.replace(Hardware(), gpu_kv_bytes=16 * 10**9, host_free_bytes=sc.host_free_bytes)
+    cfg = ReplayConfig(get_model(sc.model), hw, sc.load_policy, load_profile(sc.hardware))
+    tiers = ("cpu:32GiB", "vllm-disk:32GiB:pagecache", "vllm-disk:32GiB", "none")
+    s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in tiers}
+    assert len({s[t]["offload_hit_rate"] for t in tiers[:3]}) == 1 and s["cpu:32GiB"]["offload_hit_rate"] > 0.1
+    p50 = [s[t]["phases"]["reload"]["ttft_ms"]["p50"] for t in tiers]
+    assert p50 == sorted(p50) and len(set(p50)) == 4
+
+
+def test_the_reload_workload_on_the_vm_disk_recomputes_what_loads_slower():
+    # Goal: docs/kvsim.md's H200 virtual-disk example (48 contexts, 80 GB of KV): larger
+    # than the GPU cache and an 8 GB DRAM tier, smaller than a 100 GB disk; the reload
+    # order is shuffled; the slow disk makes the "faster" policy recompute some.
     sc = ReloadScenario()
     reqs = sc.requests()
     model = get_model("qwen3-32b")
@@ -280,7 +366,7 @@ def test_the_reload_scenario_is_sized_so_the_tiers_differ():
     assert [r.hash_ids[24] for r in fill] != [r.hash_ids[24] for r in reload]
     assert sorted(r.hash_ids[24] for r in fill) == sorted(r.hash_ids[24] for r in reload)
     assert {r.phase for r in fill} == {"fill"} and {r.phase for r in reload} == {"reload"}
-    cfg = ReplayConfig(model)
+    cfg = ReplayConfig(model, profile=load_profile("h200-disk"))
     s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in
          ("none", "cpu:8GiB", "vllm-disk:100GB", "disk:100GB", "disk:100GB:pagecache", "cpu:100GB")}
     p50 = {t: v["phases"]["reload"]["ttft_ms"]["p50"] for t, v in s.items()}

@@ -18,8 +18,8 @@ OPS = {"disk": ("store", "rewrite", "cold-load", "warm-load"), "stripe": ("store
 def summarize(runs: list) -> list[dict]:
     """One row per case: best and worst GiB/s over the runs; ratios to the ceilings of the
     run where the case was fastest."""
-    rows = []
-    for c0 in runs[0]:
+    rows: list[dict] = []
+    for c0 in runs[0] if runs else ():
         per_run = []
         for cases in runs:
             by_name = {c.name: c for c in cases}

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvoffload import cli_args
-from kvoffload.bench import report
+from kvoffload.bench import engine, report
 from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
     run_io, sweep, warm,
@@ -60,7 +60,9 @@ HOST_BOUND_FORMULA = ("host-memory bound = 2/3 x host memcpy (a page-cache load 
 # How the backend seals slots by default (its init's encrypt=True).
 DEFAULT_SEAL = "aes-gcm"
 SEALS = tuple(SEAL_CLASSES)
-GROUPS = ("disk", "stripe", "dram", "seam", "seal")
+GROUPS = ("disk", "stripe", "dram", "seam", "seal", "engine")
+# The engine group (the backend beside a busy engine thread) runs only when asked for.
+DEFAULT_GROUPS = GROUPS[:-1]
 DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
 # Case sizes found by the probe stay within these.
 MIN_CASE_BYTES = 256 * MiB
@@ -101,6 +103,11 @@ class Config:
     seed: int
     max_blocks: int = 16384
     dram_streams: tuple[int, ...] = (1,)
+    engine_seconds: float = 1.0  # per segment of an engine case
+    engine_paths: tuple[str, ...] = engine.PATHS
+    engine_shares: tuple[float, ...] = engine.SHARES
+    engine_max_repeats: int = 8
+    engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
 
     @property
     def ceiling_seconds(self) -> float:
@@ -418,12 +425,20 @@ class Bench:
             for kind in ("direct-write", "direct-read"):
                 t = sweep(raws, slot, kind, cfg.raw_seconds, cfg.case_seconds)
                 self.add(Case(f"{L.name} raw {kind} {k} dirs", "raw", L.name, t, info={"dirs": k}))
+            # The load's honest ceiling on RAM drives: reads into as much memory as the
+            # backend's load staging (its threads' two units each, every lane).
+            staging = k * self.cfg.threads * 2 * round_up(cfg.io_unit_bytes, slot)
+            t = sweep(raws, slot, "direct-read", cfg.raw_seconds, cfg.case_seconds, footprint=staging)
+            self.add(Case(f"{L.name} raw direct-read cycling {k} dirs", "raw", L.name, t,
+                          info={"dirs": k, "footprint": staging}))
         finally:
             for r in raws:
                 r.close()
-        # Against the drives together first, then against one drive.
+        # Against the drives together first (reads: cycling through the staging's worth
+        # of memory, then into one reused buffer), then against one drive.
         agg = {"write": (f"{L.name} raw direct-write {k} dirs",) + ceil["write"],
-               "read": (f"{L.name} raw direct-read {k} dirs",) + ceil["read"]}
+               "read": (f"{L.name} raw direct-read cycling {k} dirs", f"{L.name} raw direct-read {k} dirs")
+               + ceil["read"]}
         for seal in cfg.seals:
             self.disk(L, caches, ref, [os.path.join(d, "kv.bin") for d in work], "direct", seal, jobs,
                       f"{L.name} stripe {k} dirs {seal}", "stripe", k, agg, warm_load=False)
@@ -560,6 +575,28 @@ def layout_spec(text: str) -> Layout:
     return Layout(name, (nbytes,) * count, f"custom: {count} tensors x {nbytes} B")
 
 
+def engine_config(cfg: Config, work: list[str]) -> engine.EngineConfig:
+    """The engine group's run: the first layout, --gib of blocks per path (1 GiB; --quick 16 MiB)."""
+    footprint = cfg.case_bytes if cfg.case_bytes is not None else GiB
+    return engine.EngineConfig(
+        device=cfg.device, dirs=work, tensor_bytes=cfg.layouts[0].tensor_bytes, footprint_bytes=footprint,
+        job_bytes=max(cfg.job_bytes, footprint // 4), depth=3, seconds=cfg.engine_seconds,
+        min_repeats=2 if cfg.quick else 3, max_repeats=2 if cfg.quick else cfg.engine_max_repeats,
+        io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, paths=cfg.engine_paths,
+        shares=cfg.engine_shares, seed=cfg.seed,
+    )
+
+
+def engine_shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        shares = ()
+    if not shares or not all(0 < x < 1 for x in shares):  # nan and inf are outside too
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of fractions in (0, 1), e.g. 0.25,0.75")
+    return shares
+
+
 def dram_streams(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(x) for x in text.split(","))
@@ -584,8 +621,8 @@ def build_parser() -> cli_args.Parser:
                    help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--layout", action="append", default=[], type=layout_spec, metavar="NAME:TENSORSxBYTES",
                    help="add a layout, e.g. big:80x65536 (repeatable)")
-    p.add_argument("--only", type=cli_args.Names(GROUPS), default=list(GROUPS),
-                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all); "
+    p.add_argument("--only", type=cli_args.Names(GROUPS), default=list(DEFAULT_GROUPS),
+                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but engine); "
                         "the ceilings they are compared with always run")
     p.add_argument("--gib", dest="case_bytes", type=cli_args.Amount(GiB, "GiB"), default=None,
                    help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
@@ -610,6 +647,18 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
                    help="slot placement: random (a warm free list, one IO per block) or sequential")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--engine-seconds", type=cli_args.Number(above=0.0), default=None,
+                   help="engine group: seconds per segment (1; --quick: 0.1); each case repeats its three "
+                        "segments until the ratios' spread is within 5%% (3 to 8 repeats)")
+    p.add_argument("--engine-paths", type=cli_args.Names(engine.PATHS), default=list(engine.PATHS),
+                   help="engine group: comma list of gpu (DiskBackend on --device) and tier (SlotTier on host rows)")
+    p.add_argument("--engine-shares", type=engine_shares, default=engine.SHARES,
+                   help="engine group: comma list of Python's share of a 20 ms step, each in (0, 1)")
+    p.add_argument("--engine-max-repeats", type=cli_args.Integer(3), default=8,
+                   help="engine group: at most this many repeats per case (8; at least 3)")
+    p.add_argument("--engine-switch-ms", type=cli_args.Number(above=0.0), default=None,
+                   help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
+                        "to measure how the GIL hand-over interval trades the two ratios")
     p.add_argument("--runs", type=cli_args.Integer(1), default=1,
                    help="repeat everything N times; report best and worst")
     p.add_argument("--no-drop-caches", action="store_true",
@@ -639,6 +688,9 @@ def config_from(a: argparse.Namespace) -> Config:
         job_bytes=2 * MiB if a.quick else a.job_bytes, io_threads=a.io_threads,
         io_unit_bytes=a.io_unit_bytes, slots=a.slots, allow_drop_caches=not a.no_drop_caches,
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=a.dram_streams,
+        engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
+        engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
+        engine_switch_ms=a.engine_switch_ms,
     )
 
 
@@ -651,6 +703,7 @@ class Outcome:
     drops: list[dict] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
     dirs: list[dict] = field(default_factory=list)
+    engine: list[engine.EngineCaseResult] = field(default_factory=list)
     interrupted: Optional[str] = None
 
 
@@ -689,7 +742,7 @@ def _run(argv: Optional[list[str]]) -> int:
     rows = report.summarize([r for r in got.runs if r])
     torn_down = array is None or not array.teardown_errors
     ok = (all(r["verified"] is not False for r in rows) and not got.leftovers and torn_down
-          and got.interrupted is None)
+          and got.interrupted is None and not any(r.failed_jobs for r in got.engine))
     if prof is not None:
         st = prof.dump(a.profile)
         if not a.json:
@@ -713,6 +766,7 @@ def _run(argv: Optional[list[str]]) -> int:
             "modes": cfg.modes, "seals": cfg.seals, "only": sorted(cfg.only), "slots": cfg.slots,
             "job_bytes": cfg.job_bytes, "io_threads": cfg.io_threads, "io_threads_used": cfg.threads,
             "dram_streams": list(cfg.dram_streams),
+            "engine_switch_ms": cfg.engine_switch_ms or sys.getswitchinterval() * 1e3,
             "io_unit_bytes": cfg.io_unit_bytes, "queue_depths": list(QUEUE_DEPTHS), "raw_seconds": cfg.raw_seconds,
             "case_seconds": cfg.case_seconds, "seal_buffer_bytes": SEAL_BUFFER_BYTES,
             "host_bound": {"formula": HOST_BOUND_FORMULA, "share": round(HOST_BOUND_SHARE, 4)},
@@ -720,6 +774,7 @@ def _run(argv: Optional[list[str]]) -> int:
         "array": array.describe() if array is not None else None,
         "cache_drop": {"summary": report.drop_summary(got.drops), "cases": got.drops},
         "cases": rows,
+        "engine": engine.as_json(got.engine),
         "seal_cost": report.seal_cost(rows),
         "leftover_files": got.leftovers,
         "all_verified": all(r["verified"] is not False for r in rows),
@@ -729,7 +784,10 @@ def _run(argv: Optional[list[str]]) -> int:
     if a.json:
         print(json.dumps(result, indent=1))
     else:
-        print(report.full(result))
+        if rows:
+            print(report.full(result))
+        if got.engine:
+            print(engine.table(got.engine))
     return 130 if got.interrupted else 0 if ok else 1
 
 
@@ -741,13 +799,23 @@ def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int
     try:
         for d in cfg.dirs:
             work.append(tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d))
-        got.nbytes = case_size(cfg, work, given, array)
-        print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
-              f"{nruns} run(s), device {cfg.device}", file=sys.stderr)
-        for i in range(nruns):
-            b = Bench(cfg, prof, got.drops)
-            got.runs.append(b.cases)
-            b.run(i, got.nbytes, work)
+        if cfg.only - {"engine"}:
+            got.nbytes = case_size(cfg, work, given, array)
+            print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
+                  f"{nruns} run(s), device {cfg.device}", file=sys.stderr)
+            for i in range(nruns):
+                b = Bench(cfg, prof, got.drops)
+                got.runs.append(b.cases)
+                b.run(i, got.nbytes, work)
+        if "engine" in cfg.only:
+            before = sys.getswitchinterval()
+            if cfg.engine_switch_ms is not None:
+                sys.setswitchinterval(cfg.engine_switch_ms / 1e3)
+            try:
+                got.engine.extend(engine.run_engine_group(engine_config(cfg, work),
+                                                          lambda m: print(m, file=sys.stderr)))
+            finally:
+                sys.setswitchinterval(before)
     finally:
         for w in work:
             for root, _, files in os.walk(w):
