@@ -55,7 +55,9 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
             assert r["ceiling"] in rows and r["ratio"] > 0, r
             # The ceiling's figure beside the case is that case's own figure in this run.
             assert r["ceiling_gib_s"] == rows[r["ceiling"]]["gib_s_best"], r
-            assert r["ratio"] == pytest.approx(r["gib_s_best"] / r["ceiling_gib_s"], rel=1e-3, abs=1e-4)
+            # Both figures are rounded to 4 decimals: on a loaded machine's tiny rates that alone is more than 0.1%.
+            rounding = 5e-5 / r["ceiling_gib_s"] + 5e-5 / r["gib_s_best"]
+            assert r["ratio"] == pytest.approx(r["gib_s_best"] / r["ceiling_gib_s"], rel=1e-3 + rounding, abs=1e-4)
         if r["case"].endswith(("load", "h2d")) and r["group"] not in ("raw", "copy"):
             assert r["verified"] is True, r  # every loaded byte was compared
         if r["group"] == "raw":
