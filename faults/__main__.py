@@ -3,12 +3,11 @@
 Prints a table by call site, or with ``--json`` one JSON object
 ``{"points", "survived", "hangs", "lost_completions", "wrong_data", "leaked_files",
 "leaked_fds", "seconds"}``; each broken point is described on stderr. Exit code 0
-when every point survived, 1 otherwise, 2 on a usage error.
+when every point survived, 1 otherwise, 2 on a usage error (one line on stderr).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -17,39 +16,44 @@ import tempfile
 from pathlib import Path
 
 from faults._sweep import SITES, sweep_all
+from kvoffload import cli_args
+
+PROG = "python -m faults"
+# What each comma list's names mean to sweep_all.
+FILE_MODES = {"anonymous": False, "named": True}
+IO = {"direct": False, "pagecache": True}
+KINDS = {"transient": False, "persistent": True}
 
 
-def _choices(allowed: dict[str, object]):
-    def parse(text: str) -> list:
-        names = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
-        return [allowed[n] for n in names]
-
-    return parse
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m faults", description=__doc__.splitlines()[0])
+def build_parser() -> cli_args.Parser:
+    p = cli_args.Parser(prog=PROG, description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="fail every OS call site at every occurrence, once each")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    s.add_argument("--calls", type=_choices({c: c for c in SITES}), default=None,
+    s.add_argument("--calls", type=cli_args.Names(tuple(SITES)), default=None,
                    help=f"comma-separated call sites (default all: {','.join(SITES)})")
-    s.add_argument("--file-modes", type=_choices({"anonymous": False, "named": True}), default=[False, True],
+    s.add_argument("--file-modes", type=cli_args.Names(tuple(FILE_MODES)), default=list(FILE_MODES),
                    help="anonymous,named (default both)")
-    s.add_argument("--io", type=_choices({"direct": False, "pagecache": True}), default=[False, True],
-                   help="direct,pagecache (default both)")
-    s.add_argument("--kinds", type=_choices({"transient": False, "persistent": True}), default=[False, True],
+    s.add_argument("--io", type=cli_args.Names(tuple(IO)), default=list(IO), help="direct,pagecache (default both)")
+    s.add_argument("--kinds", type=cli_args.Names(tuple(KINDS)), default=list(KINDS),
                    help="transient,persistent (default both)")
-    s.add_argument("--dir", default=None, help="where the slot files go (default: a new temporary directory)")
-    a = p.parse_args(argv)
+    s.add_argument("--dir", type=cli_args.Directory(), default=None,
+                   help="where the slot files go (default: a new temporary directory)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli_args.main(PROG, lambda: _run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
+    a = build_parser().parse_args(argv)
     # The backend logs every injected failure; only errors are worth showing here.
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvoffload-sweep-") as d:
         os.chmod(d, 0o700)
-        report = sweep_all(Path(d), a.calls, a.file_modes, a.io, a.kinds)
+        report = sweep_all(Path(d), a.calls, [FILE_MODES[m] for m in a.file_modes], [IO[m] for m in a.io],
+                           [KINDS[k] for k in a.kinds])
     for line in report.failures:
         print(line, file=sys.stderr)
     print(json.dumps(report.summary()) if a.json else report.table())

@@ -37,6 +37,7 @@ DEFAULT_ERRNO = {
     "fstat": _errno.EIO,
     "fstatvfs": _errno.EIO,
     "listdir": _errno.EIO,
+    "lstat": _errno.EIO,
     "unlink": _errno.EACCES,
     "close": _errno.EIO,
     "dio_alignment": _errno.EIO,

@@ -47,6 +47,7 @@ SITES: dict[str, list[Fault]] = {
     "fallocate": [Fault.error(errno.ENOSPC), Fault.error(errno.EOPNOTSUPP), Fault.error(errno.EIO)],
     "ftruncate": [Fault.error(errno.EIO)],
     "unlink": [Fault.error(errno.EACCES), Fault.error(errno.EBUSY)],
+    "lstat": [Fault.error(errno.EIO)],
     "close": [Fault.error(errno.EIO)],
     "pwritev": [
         Fault.error(errno.EIO), Fault.error(errno.ENOSPC), Fault.error(errno.EINVAL),

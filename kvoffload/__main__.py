@@ -19,8 +19,11 @@ import time
 
 import torch
 
+from kvoffload import budget, cli_args
+from kvoffload.cli_args import UsageError
 from kvoffload.device import random_caches
 from kvoffload.disk_backend import DiskBackend
+from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import SlotFileError, round_up
 
 PROG = "python -m kvoffload"
@@ -28,25 +31,8 @@ PROG = "python -m kvoffload"
 # file system has no O_TMPFILE, the named fallback would remove a stale file of this
 # name, hence one nobody else uses.
 CHECK_NAME = ".kvoffload-selfcheck"
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line naming it, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage and exits; we want one line
-        raise UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+# The caches and the copy they are checked against are both in memory at once.
+COPIES_IN_MEMORY = 2
 
 
 def _device(name: str) -> torch.device:
@@ -65,32 +51,25 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _directory(path: str) -> str:
-    if not os.path.lexists(path):
-        raise UsageError(f"--dir {path}: no such directory")
-    if not os.path.isdir(path) and not os.path.islink(path):
-        raise UsageError(f"--dir {path}: not a directory")
-    return path  # a symlink, unwritable or world-writable one: the backend says so itself
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _run(argv)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    return cli_args.main(PROG, lambda: _run(argv))
+
+
+def build_parser() -> cli_args.Parser:
+    p = cli_args.Parser(prog=PROG, description=__doc__.splitlines()[0])
+    # A symlinked, unwritable or world-writable --dir: the backend refuses it itself, with its own words.
+    p.add_argument("--dir", type=cli_args.Directory(writable=False), default=None,
+                   help="directory the slot file goes in, as the backend would use it (default: a private temp dir here)")
+    p.add_argument("--mib", type=cli_args.Integer(1), default=256, help="MiB to store and load (default 256)")
+    p.add_argument("--tensors", type=cli_args.Integer(1), default=64, help="cache tensors per block (default 64)")
+    p.add_argument("--tensor-kib", type=cli_args.Integer(1), default=32, help="KiB per tensor per block (default 32)")
+    p.add_argument("--page-cache", action="store_true", help="use the page cache instead of O_DIRECT")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    return p
 
 
 def _run(argv: list[str] | None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=None,
-                   help="directory the slot file goes in, as the backend would use it (default: a private temp dir here)")
-    p.add_argument("--mib", type=_positive_int, default=256, help="MiB to store and load (default 256)")
-    p.add_argument("--tensors", type=_positive_int, default=64, help="cache tensors per block (default 64)")
-    p.add_argument("--tensor-kib", type=_positive_int, default=32, help="KiB per tensor per block (default 32)")
-    p.add_argument("--page-cache", action="store_true", help="use the page cache instead of O_DIRECT")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     device = _device(a.device)
     block = a.tensors * a.tensor_kib * 1024
     nblocks = (a.mib << 20) // block
@@ -98,21 +77,25 @@ def _run(argv: list[str] | None) -> int:
         raise UsageError(f"--mib {a.mib} holds no whole block of {block >> 10} KiB "
                          f"(--tensors {a.tensors} x --tensor-kib {a.tensor_kib})")
     if a.dir is not None:
-        return _round_trip(_directory(a.dir), device, nblocks, a)
+        return _round_trip(a.dir, device, nblocks, a)
     with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".kvoffload-") as d:
         return _round_trip(d, device, nblocks, a)
 
 
 def _round_trip(directory: str, device: torch.device, nblocks: int, a: argparse.Namespace) -> int:
     block = a.tensors * a.tensor_kib * 1024
+    path = os.path.join(directory, CHECK_NAME)
+    # The backend's own check of disk and memory, before the caches are made: a --mib
+    # larger than either is one line, not an allocator's traceback.
+    with cli_args.usage_errors(SlotFileError, ValueError):
+        budget.check(OsCalls(), f"--mib {a.mib}", [path], nblocks, block, a.page_cache,
+                     COPIES_IN_MEMORY * nblocks * block)
     caches = random_caches(device, nblocks, [a.tensor_kib * 1024] * a.tensors)
     want = {k: v.clone() for k, v in caches.items()}
     b = DiskBackend()
-    try:
-        b.init(caches, device, None, None, os.path.join(directory, CHECK_NAME), nblocks, block,
-               use_page_cache=a.page_cache, report_load_errors=True, capacity_bytes=nblocks * round_up(block, 4096))
-    except (SlotFileError, ValueError) as e:
-        raise UsageError(e.strerror if isinstance(e, OSError) and e.strerror else str(e)) from None
+    with cli_args.usage_errors(SlotFileError, ValueError):
+        b.init(caches, device, None, None, path, nblocks, block, use_page_cache=a.page_cache,
+               report_load_errors=True, capacity_bytes=nblocks * round_up(block, 4096))
     try:
         rates = {}
         for name, is_store in (("store", True), ("load", False)):

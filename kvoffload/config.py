@@ -47,28 +47,58 @@ _UNITS = {
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
 _UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case-insensitive"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+# ASCII digits only (\d would take other scripts' digits too), and no exponent.
+_SIZE_RE = re.compile(r"^\s*(\d*)(?:\.(\d*))?\s*([a-z]*)\s*$", re.IGNORECASE | re.ASCII)
+# The largest file offset (off_t): no size beyond it can describe a file or a pool.
+MAX_SIZE = 2**63 - 1
 
 
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"100GiB"``, ``"512MB"``, ``"1.5 GiB"``."""
+def parse_size(key: str, value: Any, positive: bool = False) -> int:
+    """Bytes from an int or a string such as ``"100GiB"``, ``"512MB"``, ``"1.5 GiB"``;
+    with ``positive``, 0 or less is refused too.
+
+    Exact: the digits are read as integers (``"1.07GB"`` is 1,070,000,000 bytes and
+    ``"9007199254740993"`` stays odd), never through a float.
+    """
     if isinstance(value, bool):
         raise ValueError(f"{key}={value!r}: expected a number of bytes (e.g. 107374182400 or '100GiB'), not a bool")
-    if isinstance(value, int):
-        return value
     if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and (m.group(2).lower() or "b") in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower() or "b"]
-            if n.is_integer():
-                return int(n)
-            raise ValueError(f"{key}={value!r} is not a whole number of bytes")
-    raise ValueError(
-        f"{key}={value!r}: expected an integer number of bytes or a string with a unit "
-        f"({_UNIT_NAMES}), e.g. 107374182400, '100GiB' or '512MB'"
-    )
+        value = int(value)  # a JSON number such as 1e9: exact as far as the float is
+    if isinstance(value, int):
+        n = value
+    else:
+        n = _parse_size_text(key, value)
+    if n > MAX_SIZE:
+        raise _too_large(key, value)
+    if positive and n <= 0:
+        raise ValueError(f"{key}={value!r}: must be > 0")
+    return n
+
+
+def _too_large(key: str, value: Any) -> ValueError:
+    return ValueError(f"{key}={value!r} is more than the largest file offset (2**63 - 1 bytes)")
+
+
+def _parse_size_text(key: str, value: Any) -> int:
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    scale = _UNITS.get((m.group(3).lower() or "b")) if m else None
+    if scale is None or not (m.group(1) or m.group(2)):
+        raise ValueError(
+            f"{key}={value!r}: expected an integer number of bytes or a string with a unit "
+            f"({_UNIT_NAMES}), e.g. 107374182400, '100GiB' or '512MB'"
+        )
+    whole, frac = m.group(1).lstrip("0"), (m.group(2) or "").rstrip("0")
+    # Bounds before arithmetic, so a thousand-digit string costs nothing: more than 19
+    # whole digits exceeds 2**63 at any unit, and a fraction with more than 40 digits
+    # (the last one not 0) is no whole number of bytes at any unit (<= 2**40).
+    if len(whole) > 19:
+        raise _too_large(key, value)
+    # whole.frac x scale = (whole x 10^k + frac) x scale / 10^k, all in integers.
+    k = len(frac)
+    n, rest = divmod((int(whole or "0") * 10**k + int(frac or "0")) * scale, 10**k) if k <= 40 else (0, 1)
+    if rest:
+        raise ValueError(f"{key}={value!r} is not a whole number of bytes")
+    return n
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
@@ -140,9 +170,7 @@ class OffloadConfig:
             kw["disk_path"] = p
         for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
             if key in extra:
-                kw[key] = parse_size(key, extra[key])
-                if kw[key] <= 0:
-                    raise ValueError(f"{key}={extra[key]!r}: must be > 0")
+                kw[key] = parse_size(key, extra[key], positive=True)
         for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_threads", 1),
                              ("direct_io_alignment", 1)):
             if key in extra:

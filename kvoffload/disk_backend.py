@@ -11,6 +11,7 @@ and several IOs are in flight per direction (vLLM 0.33 keeps one). What one
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -20,12 +21,14 @@ from typing import Any, Optional
 
 import torch
 
+from kvoffload.budget import RECORD_BYTES, file_slots
+from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.load_path import LoadLane
 from kvoffload.os_calls import OsCalls
 from kvoffload.run import Run
-from kvoffload.slot_file import SlotFile
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
 from kvoffload.slot_seal import make_seal
 from kvoffload.store_path import StoreLane
 
@@ -55,6 +58,10 @@ DEFAULT_JOIN_TIMEOUT_S = 10.0
 # How long init waits for its IO threads to bind the device (make a stream, maybe a
 # staging buffer): a bounded wait, so a wedged driver fails init instead of hanging it.
 DEFAULT_START_TIMEOUT_S = 60.0
+
+
+# What the backend calls on a device (device.Device); a device_impl lacking one is refused at init.
+_DEVICE_METHODS = ("bind_thread", "new_event", "pin", "unpin", "copy_to_host", "copy_to_device", "host_view")
 
 
 class LeakedFdWarning(RuntimeWarning):
@@ -115,8 +122,9 @@ class DiskBackend:
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
+        # Every argument is checked before anything is made, each error naming its keyword.
+        paths = _disk_paths(disk_path, disk_paths)
         _positive_int("num_buffer_slots", num_buffer_slots)
-        paths = list(disk_paths) if disk_paths else [disk_path]
         threads = _positive_int("io_threads", io_threads if io_threads is not None
                                 else default_io_threads(len(paths), num_buffer_slots))
         _positive_int("io_unit_bytes", io_unit_bytes)
@@ -126,6 +134,15 @@ class DiskBackend:
                            ("report_load_errors", report_load_errors), ("named_file", named_file)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
+        # shutdown() computes a deadline from join_timeout: a string here would fail
+        # only there, after the threads and files exist.
+        join_timeout = _seconds("join_timeout", join_timeout, minimum=0.0)
+        start_timeout = _seconds("start_timeout", start_timeout, minimum=None)
+        if os_calls is not None and not isinstance(os_calls, OsCalls):
+            raise TypeError(f"os_calls must be an OsCalls, got {type(os_calls).__name__}")
+        missing = [m for m in _DEVICE_METHODS if device_impl is not None and not callable(getattr(device_impl, m, None))]
+        if missing:
+            raise TypeError(f"device_impl {type(device_impl).__name__} lacks {', '.join(missing)} (see device.Device)")
         layout = BlockLayout.from_caches(gpu_caches)
         if layout.block_bytes != total_block_bytes:
             raise ValueError(
@@ -137,9 +154,18 @@ class DiskBackend:
         budget = capacity_bytes if capacity_bytes is not None else num_disk_slots * total_block_bytes
         _positive_int("capacity_bytes", budget)
         device = resolve_device(device)
-        dev = device_impl if device_impl is not None else make_device(device)
         osc = os_calls if os_calls is not None else OsCalls()
-        run = Run(osc, dev, layout, num_disk_slots, make_seal(encrypt, checksums), report_load_errors, threads)
+        seal = make_seal(encrypt, checksums)
+        # Disk and host memory for what follows, before any of it is made: per-slot
+        # records (all slots valid) and pinned staging (3 buffers a thread and path).
+        slot = slot_bytes_for(total_block_bytes, MIN_DIRECT_ALIGNMENT, use_page_cache)
+        staging = sum(3 * threads * (unit_rows(io_unit_bytes, slot, file_slots(num_disk_slots, len(paths), i),
+                                               layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
+                      for i in range(len(paths)))
+        budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
+                     use_page_cache, num_disk_slots * RECORD_BYTES[seal.name] + staging)
+        dev = device_impl if device_impl is not None else make_device(device)
+        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads)
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -147,14 +173,11 @@ class DiskBackend:
             self._join_timeout = join_timeout
             for i, p in enumerate(paths):
                 # Slot s of the whole pool lives in file s % n at index s // n.
-                run.files.append(SlotFile.create(osc, p, len(range(i, num_disk_slots, len(paths))),
+                run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
                                                  max_slot_bytes=budget // num_disk_slots))
             for f in run.files:
-                # A unit never holds more blocks than the device has or the file has slots,
-                # so staging is never larger than a job can fill (a mistaken io_unit_bytes
-                # of 1 TiB would otherwise allocate 1 TiB per buffer).
-                rows = max(1, min(io_unit_bytes // f.slot_bytes, f.num_slots, layout.num_blocks))
+                rows = unit_rows(io_unit_bytes, f.slot_bytes, f.num_slots, layout.num_blocks)
                 run.lanes[True].append(StoreLane(run, f, store_stream, rows))
                 run.lanes[False].append(LoadLane(run, f, load_stream, rows))
             run.start_threads(start_timeout)
@@ -267,6 +290,45 @@ def _retire(run: Run) -> None:
     IO thread to end closes the files."""
     run.signal_stop()
     run.abandon()
+
+
+def unit_rows(io_unit_bytes: int, slot_bytes: int, file_slots: int, num_blocks: int) -> int:
+    """Slots one IO unit (and one staging buffer) holds.
+
+    Never more than the device has blocks or the file has slots, so staging is never
+    larger than a job can fill (a mistaken io_unit_bytes of 1 TiB would otherwise
+    allocate 1 TiB per buffer)."""
+    return max(1, min(io_unit_bytes // slot_bytes, file_slots, num_blocks))
+
+
+def _disk_paths(disk_path: Any, disk_paths: Any) -> list[str]:
+    """The slot files' paths: ``disk_paths`` when given, else ``[disk_path]``."""
+    if disk_paths is None:
+        paths = [disk_path]
+    elif isinstance(disk_paths, (str, bytes)) or not isinstance(disk_paths, Sequence) or not disk_paths:
+        # A string is a sequence too: "/nvme/kv" would become 8 one-letter paths.
+        raise TypeError(f"disk_paths must be a non-empty list of file paths, got {disk_paths!r}")
+    else:
+        paths = list(disk_paths)
+    key = "disk_path" if disk_paths is None else "disk_paths"
+    for p in paths:
+        if not isinstance(p, str):
+            raise TypeError(f"{key} must be a str file path, got {p!r}")
+        if not p:
+            raise ValueError(f"{key} must be a non-empty file path, got {p!r}")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"disk_paths={paths!r} names a path twice")
+    return paths
+
+
+def _seconds(name: str, value: Any, minimum: Optional[float]) -> float:
+    """A finite number of seconds, > 0 (``minimum`` None) or >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds (int or float), got {value!r}")
+    if not math.isfinite(value) or (value <= 0 if minimum is None else value < minimum):
+        raise ValueError(f"{name} must be a finite number of seconds "
+                         f"{'> 0' if minimum is None else f'>= {minimum:g}'}, got {value!r}")
+    return float(value)
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -97,7 +97,8 @@ def block_ids(what: str, ids: Any) -> list[int]:
         ids = ids.tolist()
     out = []
     for i in ids:
-        if isinstance(i, bool):
+        # A 0-d bool tensor is no bool, and operator.index turns it into 1: its dtype says.
+        if isinstance(i, bool) or str(getattr(i, "dtype", "")) in ("torch.bool", "bool"):
             raise TypeError(f"{what} holds {i!r}: block ids are integers, not bools")
         if getattr(i, "ndim", 0) != 0:  # [tensor([2])] is nested, not the id 2
             raise TypeError(f"{what} holds {i!r}: each block id must be a single integer")

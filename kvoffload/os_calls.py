@@ -96,6 +96,10 @@ class OsCalls:
     def fstatvfs(self, fd: int) -> os.statvfs_result:
         return os.fstatvfs(fd)
 
+    def lstat(self, path: str, *, dir_fd: Optional[int] = None) -> os.stat_result:
+        """stat(2) of the name itself (a symlink is not followed)."""
+        return os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+
     def listdir(self, dir_fd: int) -> list[str]:
         return os.listdir(dir_fd)
 

@@ -228,11 +228,14 @@ def _create_named(osc, fds, directory, name, flags, use_page_cache, names) -> No
     # Stale files from earlier runs: vLLM's own backend leaves one named exactly
     # disk_path, which may be world-readable and hold prompts; a kvoffload init
     # killed in the microseconds between its create and unlink leaves an empty one.
+    # Start-up never deletes data, though: a stale name that holds bytes stays.
     try:
         stale = [name] + [n for n in osc.listdir(dir_fd) if n.startswith(_temp_prefix(name))]
     except OSError as e:
         raise SlotFileError(e.errno, f"cannot list {directory!r}: {e.strerror}") from e
     for n in stale:
+        if _holds_data(osc, dir_fd, directory, n):
+            continue
         try:
             osc.unlink(n, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -284,6 +287,30 @@ def _create_named(osc, fds, directory, name, flags, use_page_cache, names) -> No
     )
 
 
+def _holds_data(osc: OsCalls, dir_fd: int, directory: str, name: str) -> bool:
+    """Whether the stale ``name`` may hold someone's data, and so must stay (warned about).
+
+    kvoffload unlinks its named file before writing a byte, so its own leftovers are
+    empty. A regular file with bytes is someone's: vLLM's own backend's at disk_path
+    (plaintext KV), or a file under a name like ours. Nothing needs it gone: our name
+    is random and made with O_EXCL. A symlink or an empty file holds nothing: removed
+    (unlink never follows a link). A name that cannot be examined stays too."""
+    path = os.path.join(directory, name)
+    try:
+        st = osc.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        logger.warning("kvoffload: cannot stat %s (%s); leaving it", path, e.strerror)
+        return True
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return False
+    logger.warning("kvoffload: leaving %s (%d bytes): not an empty leftover of a kvoffload start-up, so it may "
+                   "hold someone's data (vLLM's own disk backend leaves plaintext KV at disk_path); remove it "
+                   "yourself if nothing needs it", path, st.st_size)
+    return True
+
+
 def _unlink_quietly(osc: OsCalls, name: str, dir_fd: int) -> None:
     try:
         osc.unlink(name, dir_fd=dir_fd)
@@ -322,24 +349,50 @@ def _alignment(osc: OsCalls, fd: int, path: str, use_page_cache: bool) -> int:
     return max(mem, off, MIN_DIRECT_ALIGNMENT)
 
 
+def check_space(osc: OsCalls, path: str, size: int) -> None:
+    """Refuse ``size`` bytes that the file system of ``path``'s directory cannot hold,
+    before anything is made (the directory gets the same checks as at creation)."""
+    directory, _ = split_disk_path(path)
+    fds: list[int] = []
+    try:
+        _open_directory(osc, directory, fds)
+        vfs = osc.fstatvfs(fds[0])
+        # Closed here on success, not in a finally: one interrupt per call can then land
+        # on this line (and the except closes it) but never skip the close.
+        _close_quietly(osc, fds, directory)
+    except BaseException as e:
+        while fds:
+            _close_quietly(osc, fds, directory)
+        if isinstance(e, OSError) and not isinstance(e, SlotFileError):
+            raise SlotFileError(e.errno, f"cannot stat the file system of {directory!r}: {e.strerror}") from e
+        raise
+    if vfs.f_flag & os.ST_RDONLY:
+        # Its free space means nothing: say what will really fail.
+        raise SlotFileError(errno.EROFS, f"cannot create a slot file in {directory!r}: {os.strerror(errno.EROFS)}")
+    free = _free(vfs)
+    if size > free:
+        raise _no_space(path, size, free)
+
+
+def _free(vfs: os.statvfs_result) -> int:
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def _no_space(path: str, size: int, free: int) -> SlotFileError:
+    return SlotFileError(errno.ENOSPC, f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free")
+
+
 def _reserve(osc: OsCalls, fd: int, size: int, path: str) -> None:
     # posix_fallocate, not ftruncate: a sparse file would hit ENOSPC in the middle
     # of a run, as a store failure, instead of at start-up.
-    vfs = osc.fstatvfs(fd)
-    free = vfs.f_bavail * vfs.f_frsize
+    free = _free(osc.fstatvfs(fd))
     if size > free:
-        raise SlotFileError(
-            errno.ENOSPC,
-            f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
-        )
+        raise _no_space(path, size, free)
     try:
         osc.fallocate(fd, 0, size)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise SlotFileError(
-                errno.ENOSPC,
-                f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free",
-            ) from e
+            raise _no_space(path, size, free) from e
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             # No fallocate on this file system (glibc's emulation fails with EINVAL on
             # an O_DIRECT fd). A sparse file still works; ENOSPC then surfaces as

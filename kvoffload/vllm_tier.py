@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 import torch
 
-from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, _bool, _int, num_slots, parse_size
+from kvoffload.budget import POOL_SLOT_BYTES, RECORD_BYTES
+from kvoffload.budget import check as budget_check
+from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, _bool, _int, num_slots, parse_size
 from kvoffload.device import HostDevice
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.jobs import JobEvent
@@ -85,6 +87,26 @@ class TierConfig:
     # against 1.18; docs/vllm_tiering.md). xxh3 loads measured a tie.
     direct_io: bool = False
 
+    def __post_init__(self) -> None:
+        # Checked here, not only in from_tier_config, so a TierConfig built directly is
+        # refused before the tier makes anything, each error naming its key.
+        if not isinstance(self.disk_paths, tuple) or not self.disk_paths or not all(
+                isinstance(p, str) and p for p in self.disk_paths):
+            raise ValueError(f"{TIER_TYPE}: disk_paths={self.disk_paths!r}: expected a non-empty tuple of file paths")
+        if len(set(self.disk_paths)) != len(self.disk_paths):
+            raise ValueError(f"{TIER_TYPE}: disk_paths={list(self.disk_paths)!r} names a path twice")
+        for key in ("disk_capacity_bytes", "io_unit_bytes"):
+            n = getattr(self, key)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_SIZE:
+                raise ValueError(f"{key}={n!r}: must be > 0 bytes and at most 2**63 - 1 (an int; "
+                                 "from_tier_config parses sizes such as '1TiB')")
+        if self.io_threads is not None:
+            _int("io_threads", self.io_threads, 1)
+        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io"):
+            _bool(key, getattr(self, key))
+        if self.locality is not None and self.locality not in LOCALITIES:
+            raise ValueError(f"locality={self.locality!r}: expected one of {LOCALITIES}")
+
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
         """Parse a tier entry (with or without the keys vLLM's factory pops); a bad key or
@@ -100,29 +122,20 @@ class TierConfig:
         if ("disk_path" in given) == ("disk_paths" in given):
             raise ValueError(f"{TIER_TYPE}: set exactly one of disk_path (a file path on the offload disk) "
                              "or disk_paths (a list of them, one file per disk)")
-        paths = [given["disk_path"]] if "disk_path" in given else given["disk_paths"]
+        paths = [given.pop("disk_path")] if "disk_path" in given else given.pop("disk_paths")
         if not isinstance(paths, (list, tuple)) or not paths or not all(isinstance(p, str) and p for p in paths):
-            key = "disk_path" if "disk_path" in given else "disk_paths"
-            raise ValueError(f"{TIER_TYPE}: {key}={given[key]!r}: expected a non-empty file path"
+            key = "disk_path" if "disk_path" in tier else "disk_paths"
+            raise ValueError(f"{TIER_TYPE}: {key}={tier[key]!r}: expected a non-empty file path"
                              + (" or a non-empty list of them" if key == "disk_paths" else ""))
-        if len(set(paths)) != len(paths):
-            raise ValueError(f"{TIER_TYPE}: disk_paths={paths!r} names a path twice")
-        kw: dict[str, Any] = {"disk_paths": tuple(paths)}
         for key in ("disk_capacity_bytes", "io_unit_bytes"):
             if key in given:
-                kw[key] = parse_size(key, given[key])
-                if kw[key] <= 0:
-                    raise ValueError(f"{key}={given[key]!r}: must be > 0")
-        if "io_threads" in given:
-            kw["io_threads"] = _int("io_threads", given["io_threads"], 1)
-        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io"):
-            if key in given:
-                kw[key] = _bool(key, given[key])
-        if "locality" in given:
-            if given["locality"] not in LOCALITIES:
-                raise ValueError(f"locality={given['locality']!r}: expected one of {LOCALITIES}")
-            kw["locality"] = given["locality"]
-        return cls(**kw)
+                given[key] = parse_size(key, given[key], positive=True)
+        return cls(disk_paths=tuple(paths), **given)
+
+    @property
+    def seal(self) -> str:
+        """How each slot is sealed: aes-gcm, xxh3 or off."""
+        return "aes-gcm" if self.encrypt else "xxh3" if self.checksums else "off"
 
     def slot_bytes(self, block_bytes: int) -> int:
         """Bytes one chunk takes in the file (padded to the direct-IO alignment)."""
@@ -160,6 +173,12 @@ class SlotTier:
 
     def __init__(self, primary: memoryview, cfg: TierConfig, *, os_calls: Optional[OsCalls] = None,
                  join_timeout: Optional[float] = None) -> None:
+        if not isinstance(primary, memoryview):
+            raise TypeError(f"{TIER_TYPE}: primary must be a memoryview, got {type(primary).__name__}")
+        if not isinstance(cfg, TierConfig):
+            raise TypeError(f"{TIER_TYPE}: cfg must be a TierConfig, got {type(cfg).__name__}")
+        if os_calls is not None and not isinstance(os_calls, OsCalls):
+            raise TypeError(f"os_calls must be an OsCalls, got {type(os_calls).__name__}")
         if primary.ndim < 1 or primary.strides is None or not primary.c_contiguous:
             raise ValueError(f"{TIER_TYPE}: the primary view must be C-contiguous [num_chunks, bytes], "
                              f"got shape {primary.shape}, strides {primary.strides}")
@@ -167,19 +186,25 @@ class SlotTier:
             # Loads write chunks straight into it: a read-only mapping would fault the process.
             raise ValueError(f"{TIER_TYPE}: the primary view is read-only; loads write into it")
         self.block_bytes = primary.strides[0]
+        slots = num_slots(cfg.disk_capacity_bytes, cfg.slot_bytes(self.block_bytes))
+        osc = os_calls if os_calls is not None else OsCalls()
+        # The disk and the per-slot state (the pool's LRU and the backend's records) are
+        # checked before either is built: SlotPool(1.3e12) would die in a MemoryError.
+        budget_check(osc, f"disk_capacity_bytes={cfg.disk_capacity_bytes}", cfg.disk_paths, slots, self.block_bytes,
+                     cfg.use_page_cache, slots * (POOL_SLOT_BYTES + RECORD_BYTES[cfg.seal]))
+        # The backend checks join_timeout like its other keywords, before it makes anything.
+        extra = {"join_timeout": join_timeout} if join_timeout is not None else {}
+        self.cfg = cfg
+        self.pool = SlotPool(slots)
         # A byte view cast from the primary's, so vLLM can release its own view at shutdown.
         self._flat = primary.cast("B")
         rows = torch.frombuffer(self._flat, dtype=torch.int8).view(-1, self.block_bytes)
-        slots = num_slots(cfg.disk_capacity_bytes, cfg.slot_bytes(self.block_bytes))
-        self.cfg = cfg
-        self.pool = SlotPool(slots)
         self.backend = DiskBackend()
-        extra = {"join_timeout": join_timeout} if join_timeout is not None else {}
         self.backend.init(
             {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
-            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=os_calls,
+            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=osc,
             device_impl=HostDevice(cfg.direct_io), **extra,
         )
         self._jobs: dict[int, _Job] = {}

@@ -24,15 +24,15 @@ the smaller layout, page-cache cold loads, striping over several paths.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from typing import Any, Optional
 
+from kvoffload.cli_args import InputError, finite_number, integer_at_least, read_json, require
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.hardware import Hardware
 from kvsim.offload import OffloadTier
-from kvsim.profile import HOST_PASSES, DiskDirection, GiB, IoCost, IoProfile
+from kvsim.profile import HOST_PASSES, SEALS, DiskDirection, GiB, IoCost, IoProfile
 from kvsim.tiers import KVOFFLOAD, TierSpec
 
 # One thread sealing a slot, measured on the 2-core dev VM (shared notes
@@ -44,13 +44,77 @@ COPY_CALL_US = 7.0  # notes §4.3, when the bench has one block size only
 TOLERANCE = 0.10
 
 
-class BenchError(ValueError):
-    """The bench JSON lacks what calibration needs; the message says what."""
+class BenchError(InputError):
+    """The bench JSON lacks what calibration needs; the message says what (and where)."""
+
+
+_OPS = ("store", "rewrite", "cold-load", "warm-load")
+
+
+def check_bench(bench: Any, path: str) -> None:
+    """Refuse a bench document that lacks, or holds the wrong type of, anything calibration
+    reads; the error names ``path`` and the line (``read_json``'s documents know it)."""
+    def need(ok: bool, container: Any, key: Any, message: str) -> None:
+        require(ok, path, container, key, message, BenchError)
+
+    def number(container: Any, key: str, what: str) -> None:
+        v = container.get(key)
+        need(finite_number(v) and v > 0, container, key, f"{what}{key} must be a number > 0, got {v!r}")
+
+    def count(container: Any, key: str, what: str, optional: bool = False) -> None:
+        v = container.get(key)
+        need((optional and v is None) or integer_at_least(v, 1), container, key,
+             f"{what}{key} must be an integer >= 1, got {v!r}")
+
+    need(isinstance(bench, dict) and isinstance(bench.get("cases"), list), bench, "cases",
+         "not the output of `python -m kvoffload.bench --json` (no 'cases' list)")
+    machine, cfg = bench.get("machine"), bench.get("config")
+    need(isinstance(machine, dict) and integer_at_least(machine.get("cpus"), 1), bench, "machine",
+         "the bench machine lists no cpus (machine.cpus: an integer >= 1)")
+    need(isinstance(machine.get("dirs", []), list), machine, "dirs", "machine.dirs must be a list")
+    need(isinstance(cfg, dict) and isinstance(cfg.get("layouts"), dict) and cfg["layouts"], bench, "config",
+         "the bench config lists no layouts")
+    layouts = cfg["layouts"]
+    for name, layout in layouts.items():
+        need(isinstance(layout, dict), layouts, name, f"layout {name!r} must be an object")
+        count(layout, "block_bytes", f"layout {name!r}: ")
+    count(cfg, "job_bytes", "config.")
+    for key in ("io_threads", "io_unit_bytes"):
+        count(cfg, key, "config.", optional=True)
+    seen: set[str] = set()
+    for i, c in enumerate(bench["cases"]):
+        need(isinstance(c, dict) and isinstance(c.get("case"), str) and isinstance(c.get("group"), str)
+             and isinstance(c.get("detail"), dict), bench["cases"], i,
+             "a case must be an object with a 'case' name, a 'group' and a 'detail' object")
+        name, group, d = c["case"], c["group"], c["detail"]
+        what = f"case {name!r}: "
+        need(name not in seen, c, "case", f"{what}given twice")
+        seen.add(name)
+        number(c, "gib_s_best", what)
+        count(c, "bytes", what)
+        if group in ("disk", "stripe", "seam"):
+            need(isinstance(c.get("layout"), str) and c["layout"] in layouts, c, "layout",
+                 f"{what}layout {c.get('layout')!r} is not in config.layouts")
+        if group == "raw":
+            count(d, "io_bytes", what + "detail.")
+            qd = d.get("by_qd")
+            need(isinstance(qd, dict) and "1" in qd and all(k.isdigit() and int(k) >= 1 for k in qd), d, "by_qd",
+                 f"{what}detail.by_qd must be an object of rates by queue depth, depth 1 included")
+            for k in qd:
+                number(qd, k, f"{what}detail.by_qd.")
+        elif group == "seam":
+            count(d, "rows_per_call", what + "detail.")
+            count(d, "threads", what + "detail.", optional=True)
+        elif group in ("disk", "stripe"):
+            need(name.rsplit(" ", 1)[-1] in _OPS, c, "case", f"{what}the name must end in one of {', '.join(_OPS)}")
+            need(d.get("mode") in ("direct", "pagecache"), d, "mode", f"{what}detail.mode must be direct or pagecache")
+            need(d.get("seal") in SEALS, d, "seal", f"{what}detail.seal must be one of {', '.join(SEALS)}")
+            for key in ("paths", "io_threads", "io_unit_bytes"):
+                count(d, key, what + "detail.", optional=True)
+            need(c["bytes"] >= layouts[c["layout"]]["block_bytes"], c, "bytes", f"{what}bytes must be at least one block")
 
 
 def _cases(bench: dict) -> dict[str, dict]:
-    if not isinstance(bench, dict) or not isinstance(bench.get("cases"), list):
-        raise BenchError("not the output of `python -m kvoffload.bench --json` (no 'cases' list)")
     return {c["case"]: c for c in bench["cases"]}
 
 
@@ -368,7 +432,9 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
               drives: Optional[int] = None) -> IoProfile:
     """Fit a profile to a bench run; its ``fidelity`` lists every kvoffload case.
     ``base``: a profile of the same host, for what this bench does not measure;
-    ``drives``: how many of the bench's drives the profile has (``ceilings``)."""
+    ``drives``: how many of the bench's drives the profile has (``ceilings``);
+    ``source``: where the bench came from (a bad document's errors name it)."""
+    check_bench(bench, source)
     profile = ceilings(bench, name, source, base, drives)
     cases = bench_cases(bench)
     threads, unit, where = _pipeline(bench)
@@ -412,8 +478,9 @@ def fidelity_table(profile: IoProfile) -> str:
 
 
 def load_bench(path: str) -> dict[str, Any]:
+    """The bench JSON at ``path``, as ``cli_args.read_json`` reads it (each object knows its
+    line); ``calibrate`` checks it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise BenchError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
+        return read_json(path)
+    except InputError as e:
+        raise BenchError(str(e)) from None

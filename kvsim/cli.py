@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import io
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Optional
+
+from kvoffload import budget, cli_args
 
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
@@ -25,13 +28,14 @@ from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
 from kvsim.replay import ReplayConfig, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
-from kvsim.tiers import parse_bytes, parse_tier
+from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
 # A scenario names its own tiers (scenarios.py); a real trace needs more than they hold
 # (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
 TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TB", "disk:1TB")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+TRACE_FILE = cli_args.InputFile()
 COMMANDS = """commands:
   trace replay [TRACE]        replay a trace (default: a built-in reload scenario) once per tier
   trace generate reload       write the reload scenario as a kvsim trace
@@ -40,35 +44,17 @@ COMMANDS = """commands:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, naming the argument; the usage is one --help away.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], want: str) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if not ok(v):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
-        return v
-    return parse
-
-
-POS_INT = _checked(int, lambda v: v >= 1, "an integer >= 1")
-NONNEG_INT = _checked(int, lambda v: v >= 0, "an integer >= 0")
-POS_FLOAT = _checked(float, lambda v: 0 < v < float("inf"), "a number > 0")
-FRACTION = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_bytes("size", text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+POS_INT = cli_args.Integer(1)
+NONNEG_INT = cli_args.Integer(0)
+POS_FLOAT = cli_args.Number(above=0.0)
+FRACTION = cli_args.FRACTION
+SIZE = cli_args.Size()
+# Arrival times are integer nanoseconds: beyond a million-fold stretch they stop being
+# a trace's (and past ~1e300 they overflow a float).
+TIME_SCALE = cli_args.Number(above=0.0, maximum=1e6)
+# Generous bytes per hash id a generated request holds (measured ~26 with the default
+# scenario: the tuple slot, the id, the request's share).
+SCENARIO_BYTES_PER_ID = 40
 
 
 def _tier(text: str):
@@ -106,7 +92,17 @@ def _scenario(a: argparse.Namespace) -> tuple[Scenario, ReloadScenario]:
     given = {k: getattr(a, k) for k in WORKLOAD_FLAGS if getattr(a, k) is not None}
     if a.seed is not None:
         given["seed"] = a.seed
-    return sc, dataclasses.replace(sc.workload, **given)
+    workload = dataclasses.replace(sc.workload, **given)
+    # Every request holds its hash ids: a scenario that cannot fit in memory is refused
+    # before it is built (--contexts 1e30 would otherwise build until the host gave out).
+    requests = 2 * workload.contexts
+    ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
+    need = requests * ids * SCENARIO_BYTES_PER_ID
+    if need > budget.mem_available():
+        raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
+                         f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
+                         f"{budget.mem_available()} available")
+    return sc, workload
 
 
 def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -124,15 +120,15 @@ def _model(a: argparse.Namespace, default: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="kvsim", description="Discrete-event simulator of vLLM KV-cache offload.",
-                  epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = top.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    top = cli_args.Parser(prog="kvsim", description="Discrete-event simulator of vLLM KV-cache offload.",
+                          epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = top.add_subparsers(dest="cmd", required=True)
     trace = cmds.add_parser("trace", help="replay, generate or measure traces")
-    sub = trace.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    sub = trace.add_subparsers(dest="action", required=True)
 
     r = sub.add_parser("replay", help="replay a trace once per tier and compare",
                        description="With no TRACE, replays the built-in reload scenario (docs/kvsim.md).")
-    r.add_argument("trace", nargs="?", help="Mooncake or kvsim jsonl (default: the reload scenario)")
+    r.add_argument("trace", nargs="?", type=TRACE_FILE, help="Mooncake or kvsim jsonl (default: the reload scenario)")
     r.add_argument("--tier", action="append", type=_tier, metavar="SPEC",
                    help="none | cpu:SIZE | disk:SIZE[:OPTION...] | vllm-disk:SIZE[:OPTION...]; repeatable. "
                         "disk = kvoffload's DiskBackend, vllm-disk = vLLM 0.33's. Options: pagecache, threads=N "
@@ -145,21 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"IO profile: {', '.join(BUILTIN)}, or a JSON file from `kvsim calibrate` "
                         f"(default: the scenario's, {DEFAULT_PROFILE} for a trace)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    r.add_argument("--plot", metavar="FILE",
+    r.add_argument("--plot", metavar="FILE", type=cli_args.OutputFile(PLOT_SUFFIXES),
                    help=f"write TTFT CDFs and hit rates per tier ({', '.join(PLOT_SUFFIXES)})")
     r.add_argument("--load-policy", choices=LOAD_POLICIES,
                    help="always load offloaded blocks (vLLM), or recompute when that finishes sooner "
                         "(default: the scenario's, faster for a trace)")
     r.add_argument("--max-num-batched-tokens", type=POS_INT, default=Hardware.max_num_batched_tokens)
     r.add_argument("--max-num-seqs", type=POS_INT, default=Hardware.max_num_seqs)
-    r.add_argument("--gpu-kv", type=_size, metavar="SIZE",
+    r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
                    help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
                         "memory utilisation)")
-    r.add_argument("--host-free", type=_size, metavar="SIZE",
+    r.add_argument("--host-free", type=SIZE, metavar="SIZE",
                    help="free host memory: the page cache's capacity (page-cache tiers only; default: the "
                         "scenario's, 256GiB for a trace)")
     t = r.add_argument_group("trace (with TRACE)")
-    t.add_argument("--time-scale", type=POS_FLOAT, help="multiply arrival times (2 = half the rate)")
+    t.add_argument("--time-scale", type=TIME_SCALE, help="multiply arrival times (2 = half the rate)")
     t.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
     t.add_argument("--limit", type=POS_INT, help="replay only the first N requests (after sampling)")
     r.add_argument("--seed", type=NONNEG_INT,
@@ -168,13 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="write a built-in scenario as a kvsim trace")
     g.add_argument("kind", choices=["reload"])
-    g.add_argument("-o", "--out", help="output file (default: stdout)")
+    g.add_argument("-o", "--out", type=cli_args.OutputFile(), help="output file (default: stdout)")
     g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order (0)")
     _scenario_args(g)
 
     h = sub.add_parser("hitrate", help="untimed LRU token hit rate at given capacities")
-    h.add_argument("trace")
-    h.add_argument("--capacity", type=_size, action="append", required=True, metavar="SIZE")
+    h.add_argument("trace", type=TRACE_FILE)
+    h.add_argument("--capacity", type=SIZE, action="append", required=True, metavar="SIZE")
     _model_args(h, DEFAULT_MODEL)
     h.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
     h.add_argument("--seed", type=NONNEG_INT, help="seed of --sample (0)")
@@ -183,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = cmds.add_parser("calibrate", help="fit an IO hardware profile to kvoffload's bench",
                         description="Fit kvsim's IO profile to `python -m kvoffload.bench --json` output and "
                                     "print how well kvsim then predicts the bench's own cases.")
-    c.add_argument("bench", metavar="BENCH.json")
-    c.add_argument("-o", "--out", metavar="FILE", help="write the profile here (default: stdout, table on stderr)")
+    c.add_argument("bench", metavar="BENCH.json", type=TRACE_FILE)
+    c.add_argument("-o", "--out", metavar="FILE", type=cli_args.OutputFile(),
+                   help="write the profile here (default: stdout, table on stderr)")
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
     c.add_argument("--base", metavar="PROFILE",
                    help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
@@ -200,9 +197,8 @@ def _refuse(a: argparse.Namespace, flags: Sequence[str], why: str) -> None:
 
 
 def _plot_target(path: str) -> None:
-    if Path(path).suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"--plot {path!r}: name a file ending in {', '.join(PLOT_SUFFIXES)}")
-    if importlib.util.find_spec("matplotlib") is None:  # checked now, not after the whole simulation
+    # The file name was checked where it was parsed; this is checked now, not after the whole simulation.
+    if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'kvoffload[plot]'")
 
 
@@ -280,8 +276,9 @@ def _replay(a: argparse.Namespace) -> int:
 def _generate(a: argparse.Namespace) -> int:
     requests = _scenario(a)[1].requests()
     if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            write_kvsim(requests, f)
+        text = io.StringIO()
+        write_kvsim(requests, text)
+        cli_args.write_output(a.out, text.getvalue())  # whole or not at all
     else:
         write_kvsim(requests, sys.stdout)
     return 0
@@ -312,7 +309,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     text = json.dumps(profile.to_json(), indent=1) + "\n"
     table = fidelity_table(profile)
     if a.out:
-        Path(a.out).write_text(text, encoding="utf-8")
+        cli_args.write_output(a.out, text)
         print(table)
         print(f"kvsim: wrote {a.out}", file=sys.stderr)
     else:
@@ -322,10 +319,10 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    return cli_args.main("kvsim", lambda: _run(argv), errors=(TraceError, BenchError, ValueError, OSError))
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     a = build_parser().parse_args(argv)
     run = {"replay": _replay, "generate": _generate, "hitrate": _hitrate}.get(getattr(a, "action", None), _calibrate)
-    try:
-        return run(a)
-    except (TraceError, BenchError, ValueError, OSError) as e:
-        print(f"kvsim: error: {e}", file=sys.stderr)
-        return 2
+    return run(a)

@@ -12,10 +12,11 @@ virtual disk, which is what kvoffload's bench ran on, not a deployment's drive.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvoffload.cli_args import finite_number, read_json, where
 
 GiB = 1 << 30
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -114,15 +115,30 @@ class IoProfile:
     fidelity: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Types before ranges: a JSON profile can hold anything (a string rate, a list
+        # where an object belongs), and each must be one clear error naming the field.
+        for name in ("name", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ProfileError(name, f"profile: {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.seal_gib_s, dict) or not all(isinstance(k, str) for k in self.seal_gib_s):
+            raise ProfileError("seal_gib_s", f"profile {self.name!r}: seal_gib_s must be an object of rates by seal, "
+                                             f"got {self.seal_gib_s!r}")
+        if not isinstance(self.notes, list) or not all(isinstance(n, str) for n in self.notes):
+            raise ProfileError("notes", f"profile {self.name!r}: notes must be a list of strings")
+        if not isinstance(self.fidelity, list) or not all(isinstance(r, dict) for r in self.fidelity):
+            raise ProfileError("fidelity", f"profile {self.name!r}: fidelity must be a list of objects")
+        for part, cls in _PARTS.items():
+            if not isinstance(getattr(self, part), cls):
+                raise ProfileError(part, f"profile {self.name!r}: {part} must be an object with "
+                                         f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         rates = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name.endswith("_gib_s") and f.name != "seal_gib_s"}
         for d in ("disk_read", "disk_write"):
-            rates.update({f"{d}.{k}": v for k, v in dataclasses.asdict(getattr(self, d)).items()
-                          if k.endswith("_gib_s")})
+            rates.update({f"{d}.{k}": v for k, v in vars(getattr(self, d)).items() if k.endswith("_gib_s")})
         rates.update({f"seal_gib_s.{k}": v for k, v in self.seal_gib_s.items()})
         for name, v in rates.items():
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
+            if not (finite_number(v) and v > 0):
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
         for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
                         ("seam_h2d_row_us", self.seam_h2d_row_us), ("seam_d2h_row_us", self.seam_d2h_row_us),
                         ("slot_cpu_us", self.slot_cpu_us),
@@ -130,13 +146,13 @@ class IoProfile:
                           for k in ("latency_us", "io_us")),
                         *((f"{c}.{k}", getattr(getattr(self, c), k)) for c in ("first_write", "first_write_page_cache")
                           for k in ("us", "us_per_mib"))):
-            if not (isinstance(v, (int, float)) and v >= 0):
-                raise ValueError(f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
+            if not (finite_number(v) and v >= 0):
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
         for name, v in (("drives", self.drives), ("cpus", self.cpus)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
         if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
-            raise ValueError(f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
+            raise ProfileError("seal_gib_s", f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
 
     def seal_ns_per_byte(self, seal: str) -> float:
         return 0.0 if seal == "off" else 1.0 / bytes_per_ns(self.seal_gib_s[seal])
@@ -145,24 +161,37 @@ class IoProfile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, doc: Any, where: str) -> "IoProfile":
+    def from_json(cls, doc: Any, path: str) -> "IoProfile":
+        """The profile in ``doc`` (from ``cli_args.read_json``); an error starts with the
+        file and the line of the bad field."""
         if not isinstance(doc, dict):
-            raise ValueError(f"{where}: a hardware profile is a JSON object")
+            raise ValueError(f"{where(path, doc)}: a hardware profile is a JSON object")
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         if unknown := sorted(set(doc) - names):
-            raise ValueError(f"{where}: unknown profile key(s) {', '.join(unknown)}")
+            raise ValueError(f"{where(path, doc, unknown[0])}: unknown profile key(s) {', '.join(unknown)}")
         if missing := sorted(required - set(doc)):
-            raise ValueError(f"{where}: profile lacks {', '.join(missing)}")
+            raise ValueError(f"{where(path, doc)}: profile lacks {', '.join(missing)}")
         kw = dict(doc)
         for key, part in _PARTS.items():
             if key in kw:
-                kw[key] = _part(part, kw[key], f"{where}: {key}")
+                kw[key] = _part(part, kw[key], path, doc, key)
         try:
             return cls(**kw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
+        except ProfileError as e:
+            top, dot, sub = e.field.partition(".")
+            inner = doc.get(top)
+            loc = where(path, inner, sub) if dot and isinstance(inner, dict) else where(path, doc, top)
+            raise ValueError(f"{loc}: {e}") from None
+
+
+class ProfileError(ValueError):
+    """A profile field of the wrong type or range; ``field`` names it (``disk_read.max_gib_s``)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
 
 
 # The profile's keys that are objects of their own.
@@ -170,26 +199,21 @@ _PARTS = {"disk_read": DiskDirection, "disk_write": DiskDirection, "first_write"
           "first_write_page_cache": IoCost}
 
 
-def _part(cls: type, doc: Any, where: str) -> Any:
+def _part(cls: type, value: Any, path: str, doc: Any, key: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(doc, dict):
-        raise ValueError(f"{where} must be an object with {', '.join(sorted(names))}")
-    if unknown := sorted(set(doc) - names):
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    if not isinstance(value, dict):
+        raise ValueError(f"{where(path, doc, key)}: {key} must be an object with {', '.join(sorted(names))}")
+    if unknown := sorted(set(value) - names):
+        raise ValueError(f"{where(path, value, unknown[0])}: {key}: unknown key(s) {', '.join(unknown)}")
     try:
-        return cls(**doc)
+        return cls(**value)
     except TypeError as e:  # a required key missing
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{where(path, value)}: {key}: {e}") from None
 
 
 def load_profile(name_or_path: str) -> IoProfile:
     """A built-in profile by name (``BUILTIN``) or a JSON file by path."""
     path = PROFILE_DIR / BUILTIN[name_or_path] if name_or_path in BUILTIN else Path(name_or_path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"--hardware {name_or_path!r}: no such file, and not one of "
-                         f"{', '.join(BUILTIN)}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON: {e.msg} at line {e.lineno}") from None
-    return IoProfile.from_json(doc, str(path))
+    if not path.is_file():
+        raise ValueError(f"--hardware {name_or_path!r}: no such file, and not one of {', '.join(BUILTIN)}")
+    return IoProfile.from_json(read_json(str(path)), str(path))

@@ -30,6 +30,7 @@ KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connec
 # with no GPU copy, a thread's staging then stays in the CPU caches. A test keeps it equal.
 KVOFFLOAD_TIER_IO_UNIT_BYTES = 4 * MiB
 KINDS = ("cpu", "disk", "vllm-disk")
+MAX_OPTION = 1024  # threads=, ios-per-thread=, paths=
 # Options each kind accepts; a flag that would do nothing is refused.
 _OPTIONS = {"cpu": (), "vllm-disk": ("pagecache", "threads", "ios-per-thread"),
             "disk": ("pagecache", "threads", "ios-per-thread", "unit", "seal", "paths")}
@@ -89,8 +90,12 @@ class TierSpec:
 
 
 def _int_option(text: str, name: str, value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
+    # Threads, IOs per thread and paths are each simulated one by one: a mistyped
+    # 10**21 must be refused, not started.
+    if not value.isascii() or not value.isdigit() or int(value) < 1:
         raise ValueError(f"bad tier {text!r}: {name}={value!r} must be an integer >= 1")
+    if int(value) > MAX_OPTION:
+        raise ValueError(f"bad tier {text!r}: {name}={value!r} must be at most {MAX_OPTION}")
     return int(value)
 
 

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Optional
 
 import xxhash
 
+from kvoffload.cli_args import InputError, read_lines
+
 MOONCAKE_BLOCK_TOKENS = 512
 _MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
 _KVSIM_KEYS = {"arrival_us", "input_length", "output_length", "hash_ids"}
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A bad trace record; the message names the file and line."""
 
 
@@ -68,12 +69,15 @@ def _parse(rec: object, fmt: Optional[str], where: str) -> tuple[str, TraceReque
         if phase is not None and not (isinstance(phase, str) and phase):
             raise TraceError(f"{where}: 'phase' must be a non-empty string, got {phase!r}")
     ids = rec["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of non-negative integers")
-    if len(ids) != math.ceil(n_in / block):
+    # Ids are 64-bit (sampling hashes them as 8 bytes).
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64
+                                            for h in ids):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of integers in [0, 2**64)")
+    blocks = -(-n_in // block)  # integer ceil: a float would overflow on a huge input_length
+    if len(ids) != blocks:
         raise TraceError(
             f"{where}: {len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{block}) = "
-            f"{math.ceil(n_in / block)} (one per {block}-token block, the partial last one included)"
+            f"{blocks} (one per {block}-token block, the partial last one included)"
         )
     return fmt, TraceRequest(arrival_ns, n_in, n_out, tuple(ids), block, phase)
 
@@ -89,6 +93,8 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Iterator[TraceRe
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: not JSON: {e.msg} at column {e.colno}") from None
+        except RecursionError:
+            raise TraceError(f"{where}: not a trace record: nested too deeply") from None
         fmt, req = _parse(rec, fmt, where)
         if req.arrival_ns < last_ns:
             raise TraceError(f"{where}: arrival goes backwards ({req.arrival_ns} ns after {last_ns} ns)")
@@ -116,15 +122,15 @@ def read_trace(
     if not 0 < sample <= 1:
         raise ValueError(f"sample must be in (0, 1], got {sample}")
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for req in parse_lines(f, path):
-            if sample < 1 and not _keep(req, sample, seed):
-                continue
-            if time_scale != 1:
-                req = dataclasses.replace(req, arrival_ns=round(req.arrival_ns * time_scale))
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
+    # Decoded line by line, so a byte that is not UTF-8 is named with its line.
+    for req in parse_lines((text for _, text in read_lines(path, TraceError)), path):
+        if sample < 1 and not _keep(req, sample, seed):
+            continue
+        if time_scale != 1:
+            req = dataclasses.replace(req, arrival_ns=round(req.arrival_ns * time_scale))
+        out.append(req)
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise TraceError(f"{path}: no requests (empty file, or --sample kept none)")
     return out

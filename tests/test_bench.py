@@ -55,7 +55,9 @@ def test_quick_json_has_every_figure_and_verifies_every_byte(capsys, tmp_path):
             assert r["ceiling"] in rows and r["ratio"] > 0, r
             # The ceiling's figure beside the case is that case's own figure in this run.
             assert r["ceiling_gib_s"] == rows[r["ceiling"]]["gib_s_best"], r
-            assert r["ratio"] == pytest.approx(r["gib_s_best"] / r["ceiling_gib_s"], rel=1e-3, abs=1e-4)
+            # Both figures are rounded to 4 decimals: on a loaded machine's tiny rates that alone is more than 0.1%.
+            rounding = 5e-5 / r["ceiling_gib_s"] + 5e-5 / r["gib_s_best"]
+            assert r["ratio"] == pytest.approx(r["gib_s_best"] / r["ceiling_gib_s"], rel=1e-3 + rounding, abs=1e-4)
         if r["case"].endswith(("load", "h2d")) and r["group"] not in ("raw", "copy"):
             assert r["verified"] is True, r  # every loaded byte was compared
         if r["group"] == "raw":
@@ -149,26 +151,50 @@ def test_table_is_printed_last(capsys, tmp_path):
     assert any(line.startswith("host-memory bound = 2/3 x host memcpy") for line in lines)
 
 
+def one_line_error(capsys, argv: list[str]) -> str:
+    rc = bench.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("python -m kvoffload.bench: error: "), err
+    return err
+
+
 def test_too_large_a_case_is_one_clear_line(capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--device", "cpu", "--dir", str(tmp_path), "--layouts", "llama", "--gib", "1000000",
-                    "--max-blocks", str(10**9)])
-    msg = str(e.value.code)
-    assert "--gib 1000000: the files of a run need" in msg and "at most --gib" in msg and "\n" not in msg
+    err = one_line_error(capsys, ["--device", "cpu", "--dir", str(tmp_path), "--layouts", "llama", "--gib", "1000000",
+                                  "--max-blocks", str(10**9)])
+    assert "--gib 1000000: the files of a run need" in err and "at most --gib" in err
     assert os.listdir(tmp_path) == []  # its private directory is gone
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--make-array", "2", "--dir", "."], "give it or --dir, not both"),
-    (["--case-seconds", "-1"], "--case-seconds must be >= 0"),
-    (["--only", "disk,bogus"], "not bogus"),
-    (["--gib", "0"], "--gib must be > 0"),
-    (["--dram-streams", "1,0"], "--dram-streams '1,0': expected a comma list of distinct integers >= 1"),
+    (["--case-seconds", "-1"], "argument --case-seconds: must be a number >= 0, got '-1'"),
+    (["--only", "disk,bogus"], "unknown 'bogus'"),
+    (["--gib", "0"], "argument --gib: must be a number of GiB, at least 1 byte, got '0'"),
+    (["--dram-streams", "1,0"], "'1,0': expected a comma list of distinct integers >= 1"),
+    # issue 23: each of these ran (or crashed) instead of being refused where it was parsed
+    (["--gib", "inf"], "argument --gib: must be a number of GiB, at least 1 byte, got 'inf'"),
+    (["--gib", "nan"], "argument --gib: must be a number of GiB"),
+    (["--io-unit-mib", "1e-9"], "argument --io-unit-mib: must be a number of MiB, at least 1 byte, got '1e-9'"),
+    (["--job-mib", "inf"], "argument --job-mib: must be a number of MiB"),
+    (["--raw-seconds", "nan"], "argument --raw-seconds: must be a number > 0, got 'nan'"),
+    (["--io-threads", "0"], "argument --io-threads: must be an integer in [1, 1024], got '0'"),
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--seals", "aes-gcm,rot13"], "unknown 'rot13'"),
+    (["--layout", "big:0x4096"], "argument --layout: 'big:0x4096': a name, and tensors and bytes >= 1"),
 ])
-def test_bad_flags_are_refused(argv, words):
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--device", "cpu", *argv])
-    assert words in str(e.value.code)
+def test_bad_flags_are_refused(capsys, argv, words):
+    assert words in one_line_error(capsys, ["--device", "cpu", *argv])
+
+
+def test_bad_paths_are_refused_before_the_run(capsys, tmp_path):
+    """Issue 23: a missing --dir or a file as --dir was a traceback, and a --profile into a
+    missing directory failed only after the whole run, losing its results."""
+    (tmp_path / "f").write_text("x")
+    for argv, words in ((["--dir", str(tmp_path / "nope")], "argument --dir: "),
+                        (["--dir", str(tmp_path / "f")], "not a directory"),
+                        (["--dir", str(tmp_path), "--profile", str(tmp_path / "nope" / "kv.prof")], "--profile")):
+        assert words in one_line_error(capsys, ["--device", "cpu", "--quick", *argv])
+    assert sorted(os.listdir(tmp_path)) == ["f"]
 
 
 def test_compact_report_of_several_runs(capsys, tmp_path):
@@ -263,6 +289,5 @@ def test_engine_group_reports_both_ratios_per_case(capsys, tmp_path):
 
 @pytest.mark.parametrize("flag, value", [("--engine-shares", "0"), ("--engine-shares", "1.5"),
                                          ("--engine-shares", "x"), ("--engine-paths", "gpu,disk")])
-def test_engine_flags_are_checked(flag, value):
-    with pytest.raises(SystemExit, match=flag):
-        bench.config_from(bench.build_parser().parse_args([flag, value]))
+def test_engine_flags_are_checked(capsys, flag, value):
+    assert f"argument {flag}: " in one_line_error(capsys, ["--device", "cpu", flag, value])

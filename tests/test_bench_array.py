@@ -164,9 +164,9 @@ def test_refused_without_root(monkeypatch):
 def test_refused_without_mkfs(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "mkfs.xfs" else f"/usr/sbin/{tool}")
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--device", "cpu", "--make-array", "1", "--fs", "xfs", "--array-gib", "1"])
-    assert str(e.value.code) == "--make-array: mkfs.xfs not found on PATH (install xfsprogs, or use --fs ext4)"
+    assert bench.main(["--device", "cpu", "--make-array", "1", "--fs", "xfs", "--array-gib", "1"]) == 2
+    assert capsys.readouterr().err == ("python -m kvoffload.bench: error: --make-array: mkfs.xfs not found on PATH "
+                                       "(install xfsprogs, or use --fs ext4)\n")
 
 
 def test_refused_when_shm_lacks_room(tmp_path):

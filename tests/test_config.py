@@ -8,6 +8,8 @@ import sys
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvoffload.config import (
     DEFAULT_DISK_CAPACITY_BYTES,
@@ -58,6 +60,55 @@ def test_bad_sizes(value, match) -> None:
     with pytest.raises(ValueError, match=r"^disk_capacity_bytes=") as e:
         parse(**DISK, disk_capacity_bytes=value)
     assert e.match(match)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1.07GB", 1_070_000_000), ("9007199254740993", 9007199254740993), ("0.1 KB", 100),
+    ("1.000000000000000000000000000000001TB", None), ("9223372036854775807", 2**63 - 1),
+    (".5 KiB", 512), ("3.0000 MiB", 3 << 20),
+])
+def test_sizes_are_exact_not_floats(text, expected) -> None:
+    """Issue 23: through a float, "1.07GB" came out as 1,069,999,999.99... (refused) and
+    2**53 + 1 bytes silently lost its last bit."""
+    if expected is None:
+        with pytest.raises(ValueError, match="not a whole number of bytes"):
+            parse_size("disk_capacity_bytes", text)
+    else:
+        assert parse_size("disk_capacity_bytes", text) == expected
+
+
+@pytest.mark.parametrize("text", ["1e9", "inf", "nan", "9223372036854775808", "1" * 5000, "\u0661\u0662 GB",
+                                  "8 EiB", ".", "GiB", "1,5GiB"])
+def test_what_is_not_a_size(text) -> None:
+    with pytest.raises(ValueError, match=r"^disk_capacity_bytes="):
+        parse_size("disk_capacity_bytes", text)
+
+
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+@given(n=st.integers(0, 2**63 - 1), unit=st.sampled_from(sorted(UNITS)), pad=st.integers(0, 3))
+def test_every_size_written_exactly_in_any_unit_reads_back(n, unit, pad) -> None:
+    """n bytes written as the exact decimal of n / unit (a power of 2 or 10 has a finite one)."""
+    whole, rest = divmod(n, UNITS[unit])
+    digits = ""
+    while rest:  # long division: terminates because 2 and 5 are the unit's only prime factors
+        rest *= 10
+        digits += str(rest // UNITS[unit])
+        rest %= UNITS[unit]
+    text = f"{whole}.{digits}{'0' * pad}{unit}" if digits or pad else f"{whole}{unit}"
+    assert parse_size("k", text) == n
+
+
+@given(st.text(max_size=40) | st.binary(max_size=10) | st.floats() | st.integers() | st.none())
+def test_any_value_is_a_size_or_one_value_error(value) -> None:
+    try:
+        n = parse_size("disk_capacity_bytes", value)
+    except ValueError as e:
+        assert str(e).startswith("disk_capacity_bytes=") and "\n" not in str(e)
+    else:
+        assert isinstance(n, int) and not isinstance(n, bool) and n <= 2**63 - 1
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -323,6 +323,34 @@ def test_kill_9_in_the_named_window_leaves_an_empty_file_that_next_init_removes(
     assert_dir_clean(cache_dir)
 
 
+@pytest.mark.parametrize("name", [".kv.bin.kvoffload-0123456789abcdef", "kv.bin"], ids=["our-prefix", "disk-path"])
+def test_a_stale_name_that_holds_data_is_left_alone(fd_guard, cache_dir, caplog, name):
+    """Issue 23: the named start-up deleted a non-empty .kv.bin.kvoffload-<hex> file. Only
+    empty leftovers (what a killed kvoffload start leaves) are removed; one with bytes is
+    someone's data: it stays byte for byte, a warning names it, and the backend starts
+    under its own random name anyway."""
+    data = os.urandom(10_000)
+    (cache_dir / name).write_bytes(data)
+    (cache_dir / ".kv.bin.kvoffload-fedcba9876543210").write_bytes(b"")  # a killed start's: removed
+    b, caches = start(cache_dir, True)
+    try:
+        use(b, caches)
+    finally:
+        b.shutdown()
+    assert os.listdir(cache_dir) == [name] and (cache_dir / name).read_bytes() == data
+    assert any(str(cache_dir / name) in r.getMessage() and "10000 bytes" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_a_stale_name_that_cannot_be_examined_is_left_alone(fd_guard, cache_dir):
+    (cache_dir / ".kv.bin.kvoffload-0123456789abcdef").write_bytes(b"")
+    osc = FaultyOsCalls().fail_from("lstat", 1)
+    b, caches = start(cache_dir, True, osc)
+    b.shutdown()
+    assert os.listdir(cache_dir) == [".kv.bin.kvoffload-0123456789abcdef"]
+    assert osc.calls["unlink"] == 1  # our own name only
+
+
 @NAMED
 @pytest.mark.parametrize("how", ["trailing-slash", "existing-directory", "dot"])
 def test_disk_path_naming_a_directory_is_refused(fd_guard, tmp_path, cache_dir, named, how):

@@ -89,10 +89,10 @@ def test_cuda_without_cuda(capsys, cache_dir):
 
 
 @pytest.mark.parametrize("argv,names", [
-    (["--tensors", "0"], ["--tensors", "got 0"]),
-    (["--mib", "0"], ["--mib", "got 0"]),
-    (["--tensor-kib", "-1"], ["--tensor-kib", "got -1"]),
-    (["--mib", "two"], ["--mib", "'two' is not an integer"]),
+    (["--tensors", "0"], ["--tensors", "got '0'"]),
+    (["--mib", "0"], ["--mib", "got '0'"]),
+    (["--tensor-kib", "-1"], ["--tensor-kib", "got '-1'"]),
+    (["--mib", "two"], ["--mib", "expected an integer >= 1, got 'two'"]),
     (["--mib", "1", "--tensors", "64", "--tensor-kib", "32"], ["--mib 1", "no whole block of 2048 KiB"]),
     (["--device", "tpu9"], ["--device 'tpu9'"]),
     (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
@@ -102,8 +102,15 @@ def test_bad_numbers_and_flags(capsys, cache_dir, argv, names):
     assert_dir_clean(cache_dir)
 
 
+def test_more_than_the_disk_holds_is_one_line_before_anything_is_allocated(capsys, cache_dir):
+    """Issue 23: --mib 100000000 (95 TiB) was an allocator traceback."""
+    err = one_line_error(capsys, ["--dir", str(cache_dir), "--mib", "100000000"], "not enough")
+    assert "need" in err
+    assert_dir_clean(cache_dir)
+
+
 def test_the_process_prints_one_line_and_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvoffload", "--dir", str(tmp_path / "missing")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == f"python -m kvoffload: error: --dir {tmp_path / 'missing'}: no such directory\n"
+    assert r.stderr == f"python -m kvoffload: error: argument --dir: {tmp_path / 'missing'}: no such directory\n"

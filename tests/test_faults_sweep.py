@@ -33,8 +33,8 @@ def test_single_fault_sweep(cache_dir, ledger, call, fault, named, persistent, u
     if call in ("pwritev", "preadv"):
         assert len(outs) >= 8, "the workload should make many data calls"
         assert not any(o.init_failed for o in outs)
-    if call == "unlink" and not named:
-        assert outs == [], "the anonymous file is never unlinked"
+    if call in ("unlink", "lstat") and not named:
+        assert outs == [], "the anonymous file has no name to examine or unlink"
     if call == "dio_alignment" and use_page_cache:
         assert outs == [], "the page cache needs no alignment"
 
@@ -49,6 +49,7 @@ def test_workload_reaches_every_site(cache_dir, ledger, named):
     for site in ("open", "fchmod", "fstat", "fstatvfs", "dio_alignment", "fallocate", "close"):
         assert calls.get(site, 0) >= 1, site
     assert calls.get("unlink", 0) == (2 if named else 0)
+    assert calls.get("lstat", 0) == (1 if named else 0)  # the stale name: does it hold data?
     assert calls["pwritev"] >= 12 and calls["preadv"] >= 10
     assert out.stats["store_fail"] == 0 and out.stats["load_fail"] == 1  # the never-stored slot 3
 

@@ -60,7 +60,14 @@ def test_a_backend_that_serves_wrong_bytes_is_counted(tmp_path, monkeypatch, cap
 
 
 def test_usage_errors_name_the_choice(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["sweep", "--calls", "pwritev,nonsense"])
-    assert e.value.code == 2
-    assert "'pwritev,nonsense': choose from open, fchmod" in capsys.readouterr().err
+    assert main(["sweep", "--calls", "pwritev,nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown 'nonsense'" in err and "expected a comma list of open, fchmod" in err
+
+
+def test_a_missing_dir_is_a_usage_error_not_a_broken_point(capsys, tmp_path):
+    """Issue 23: it was a traceback and exit code 1, which means a fault point broke."""
+    assert main(["sweep", "--json", "--dir", str(tmp_path / "missing")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"python -m faults: error: argument --dir: {tmp_path / 'missing'}: no such directory\n")

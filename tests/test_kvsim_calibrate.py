@@ -157,7 +157,7 @@ def test_a_bench_without_what_calibration_needs_is_a_clear_error(tmp_path):
         calibrate({"machine": {}}, "x", "x")
     p = tmp_path / "b.json"
     p.write_text("{")
-    with pytest.raises(BenchError, match=r"b.json: not JSON"):
+    with pytest.raises(BenchError, match=r"b.json:1: not JSON"):
         load_bench(str(p))
 
 

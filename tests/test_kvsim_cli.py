@@ -98,9 +98,7 @@ def test_generate_then_replay_the_file(capsys, tmp_path):
     ([MINI, "--limit", "0"], "argument --limit: must be an integer >= 1, got '0'"),
 ])
 def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        main(["trace", "replay", *argv])
-    assert e.value.code == 2
+    assert main(["trace", "replay", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
@@ -128,9 +126,30 @@ def test_bad_inputs_are_clear_errors(capsys, tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{oops\n')
     assert main(["trace", "replay", str(bad)]) == 2
     assert f"kvsim: error: {bad}:2: not JSON" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["trace", "replay", MINI, "--tier", "tape:1TB"])
+    assert main(["trace", "replay", MINI, "--tier", "tape:1TB"]) == 2
     assert "use none, cpu:SIZE, disk:SIZE" in capsys.readouterr().err
+
+
+def test_bad_input_files_name_the_file_and_line(capsys, tmp_path):
+    """Issue 23: a non-UTF-8 trace named neither file nor line; a profile with a list for
+    its seal rates was an AttributeError; a bench case without its detail a KeyError."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(Path(MINI).read_bytes().split(b"\n", 1)[0] + b"\n\xff\xfe\n")
+    profile = tmp_path / "hw.json"
+    doc = json.loads((Path(__file__).parents[1] / "kvsim" / "profiles" / "h200_disk.json").read_text())
+    doc["seal_gib_s"] = [9.4, 44.0]
+    profile.write_text(json.dumps(doc, indent=1))
+    bench = tmp_path / "bench.json"
+    doc = json.loads((Path(__file__).parent / "data" / "bench_h200_disk.json").read_text())
+    del doc["cases"][0]["detail"]
+    bench.write_text(json.dumps(doc, indent=1))
+    for argv, where in ((["trace", "replay", str(trace)], f"{trace}:2: not UTF-8 text"),
+                        (["trace", "replay", MINI, "--hardware", str(profile)], f"{profile}:"),
+                        (["calibrate", str(bench)], f"{bench}:")):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert captured.err.startswith(f"kvsim: error: {where}"), captured.err
 
 
 def test_hitrate_oracle_table_and_json(capsys):

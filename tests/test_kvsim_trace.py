@@ -37,7 +37,7 @@ def test_kvsim_records_parse_with_their_block_size_and_phase():
     (_rec(hash_ids=[0]), r"^t:2: 1 hash_ids for input_length 1000: expected ceil\(1000/512\) = 2"),
     (_rec(input_length=0), r"^t:2: 'input_length' must be an integer >= 1"),
     (_rec(output_length="5"), r"^t:2: 'output_length' must be an integer"),
-    (_rec(hash_ids=[0, -1]), r"^t:2: 'hash_ids' must be a list of non-negative integers"),
+    (_rec(hash_ids=[0, -1]), r"^t:2: 'hash_ids' must be a list of integers in \[0, 2\*\*64\)"),
     ('{"timestamp": 0}', r"^t:2: mooncake record lacks hash_ids, input_length, output_length"),
     ("[1]", r"^t:2: expected a JSON object"),
 ])

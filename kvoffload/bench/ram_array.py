@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvoffload.bench.sizing import mem_available
+from kvoffload.cli_args import UsageError
 
 GiB = 2**30
 SHM_DIR = "/dev/shm"
@@ -38,8 +39,8 @@ MKFS = {
 MIN_GIB = {"ext4": 0.0625, "xfs": 0.3}
 
 
-class ArrayError(SystemExit):
-    """The array cannot be built here; the message says why (one line)."""
+class ArrayError(UsageError):
+    """The array cannot be built here; the message says why (one line, exit code 2)."""
 
 
 class Interrupted(KeyboardInterrupt):

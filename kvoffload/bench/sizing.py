@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+from kvoffload import budget
 from kvoffload.slot_file import round_up
 
 MiB = 2**20
@@ -91,12 +92,6 @@ def case_memory(nbytes: int, on_cpu: bool) -> int:
 
 
 def mem_available() -> int:
-    """MemAvailable of /proc/meminfo (8 GiB where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    """MemAvailable of /proc/meminfo; 8 GiB where it cannot be read (cases are sized
+    from it, so an unknown figure must be a modest one)."""
+    return budget.mem_available(default=8 * GiB)

@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvoffload import cli_args
 from kvoffload.bench import engine, report
 from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
@@ -41,6 +42,7 @@ from kvoffload.bench.sizing import (
 from kvoffload.bench.workload import (
     LAYOUTS, Layout, make_caches, make_jobs, passes, poison, poison_blocks, run_jobs, verify,
 )
+from kvoffload.cli_args import UsageError
 from kvoffload.device import BlockLayout, alloc_host, make_device
 from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.slot_file import round_up
@@ -508,12 +510,12 @@ def case_size(cfg: Config, work: list[str], given: Optional[str], array: Optiona
     usable = [usable_bytes(w) for w in work]
     why = misfit(0, sizes, cfg.dirs, usable, cfg.max_blocks)
     if why:
-        raise SystemExit(f"kvoffload bench: no case fits: {why}")
+        raise UsageError(f"no case fits: {why}")
     fit = largest_fit(sizes, cfg.dirs, usable, cfg.max_blocks, max(cfg.case_bytes or 0, MAX_CASE_BYTES))
     if cfg.case_bytes is not None:
         why = misfit(cfg.case_bytes, sizes, cfg.dirs, usable, cfg.max_blocks)
         if why:
-            raise SystemExit(f"kvoffload bench: {given}: {why}; at most --gib {fit / GiB:.2f} fits")
+            raise UsageError(f"{given}: {why}; at most --gib {fit / GiB:.2f} fits")
         return cfg.case_bytes
     mem = mem_available() - (array.unfilled_bytes() if array is not None else 0)
     mem_cap = max(0, mem) // case_memory(1, cfg.device.type == "cpu")
@@ -558,125 +560,19 @@ def fs_type(path: str) -> str:
 
 # --- command line -------------------------------------------------------------------------
 
-
-def parse_layouts(names: str, custom: list[str]) -> list[Layout]:
-    out = []
-    for n in [x for x in names.split(",") if x]:
-        if n not in LAYOUTS:
-            raise SystemExit(f"unknown layout {n!r}: pick from {', '.join(LAYOUTS)}")
-        out.append(LAYOUTS[n])
-    for spec in custom:
-        try:
-            name, shape = spec.split(":")
-            count, nbytes = (int(x) for x in shape.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--layout {spec!r}: want NAME:TENSORSxBYTES, e.g. big:80x65536") from None
-        if count < 1 or nbytes < 1:
-            raise SystemExit(f"--layout {spec!r}: tensors and bytes must be >= 1")
-        out.append(Layout(name, (nbytes,) * count, f"custom: {count} tensors x {nbytes} B"))
-    if not out:
-        raise SystemExit("--layouts must not be empty")
-    return out
+PROG = "python -m kvoffload.bench"
 
 
-def comma_list(flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
-    items = [x for x in value.split(",") if x]
-    bad = [x for x in items if x not in allowed]
-    if not items or bad:
-        raise SystemExit(f"{flag}: a comma list of {', '.join(allowed)}" + (f"; not {', '.join(bad)}" if bad else ""))
-    return items
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvoffload.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", action="append", default=None,
-                   help="directory for the files (repeat to stripe over several; default: the current directory)")
-    p.add_argument("--make-array", type=int, metavar="N",
-                   help="root only: build N RAM-backed drives (loop devices over /dev/shm files), run on them "
-                        "(one drive alone, all N striped), then tear them down")
-    p.add_argument("--array-gib", type=float, default=14.0, help="GiB per --make-array drive (14)")
-    p.add_argument("--fs", choices=("ext4", "xfs"), default="ext4", help="file system of --make-array drives")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
-    p.add_argument("--layout", action="append", default=[], metavar="NAME:TENSORSxBYTES",
-                   help="add a layout, e.g. big:80x65536 (repeatable)")
-    p.add_argument("--only", default=",".join(DEFAULT_GROUPS),
-                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but engine); "
-                        "the ceilings they are compared with always run")
-    p.add_argument("--gib", type=float, default=None,
-                   help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
-    p.add_argument("--max-blocks", type=int, default=16384,
-                   help="at most this many blocks per pass (16384: 1 GiB of 64 KiB blocks)")
-    p.add_argument("--case-seconds", type=float, default=None,
-                   help="time every case over at least this many seconds, repeating passes (2; --quick: one pass)")
-    p.add_argument("--raw-seconds", type=float, default=0.3,
-                   help="seconds per queue depth in a raw sweep (0.3); the best depth then runs --case-seconds")
-    p.add_argument("--modes", default="direct,pagecache", help="comma list of direct, pagecache")
-    p.add_argument("--seals", default=",".join(SEALS),
-                   help="comma list of how slots are sealed: aes-gcm (the default: encrypted), xxh3 (checksums), off")
-    p.add_argument("--job-mib", type=float, default=32, help="MiB per launch_copy job (32)")
-    p.add_argument("--io-threads", type=int, default=None, help="DiskBackend io_threads (default: the backend's)")
-    p.add_argument("--dram-streams", default="1",
-                   help="comma list: streams per direction of the DRAM backend, one case each (1: vLLM's DMA backend)")
-    p.add_argument("--io-unit-mib", type=float, default=DEFAULT_IO_UNIT_BYTES / MiB,
-                   help=f"DiskBackend io_unit_bytes in MiB ({DEFAULT_IO_UNIT_BYTES / MiB:g})")
-    p.add_argument("--slots", choices=("random", "sequential"), default="random",
-                   help="slot placement: random (a warm free list, one IO per block) or sequential")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--engine-seconds", type=float, default=None,
-                   help="engine group: seconds per segment (1; --quick: 0.1); each case repeats its three "
-                        "segments until the ratios' spread is within 5%% (3 to 8 repeats)")
-    p.add_argument("--engine-paths", default=",".join(engine.PATHS),
-                   help="engine group: comma list of gpu (DiskBackend on --device) and tier (SlotTier on host rows)")
-    p.add_argument("--engine-shares", default=",".join(f"{x:g}" for x in engine.SHARES),
-                   help="engine group: comma list of Python's share of a 20 ms step, each in (0, 1)")
-    p.add_argument("--engine-max-repeats", type=int, default=8,
-                   help="engine group: at most this many repeats per case (8; at least 3)")
-    p.add_argument("--engine-switch-ms", type=float, default=None,
-                   help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
-                        "to measure how the GIL hand-over interval trades the two ratios")
-    p.add_argument("--runs", type=int, default=1, help="repeat everything N times; report best and worst")
-    p.add_argument("--no-drop-caches", action="store_true",
-                   help="never write /proc/sys/vm/drop_caches (fadvise only)")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, every figure, every byte checked")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--profile", metavar="FILE", help="write a cProfile (pstats) of the kvoffload cases")
-    return p
-
-
-def config_from(a: argparse.Namespace) -> Config:
-    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1), ("--engine-max-repeats",
-                             a.engine_max_repeats, 3),
-                             ("--io-threads", a.io_threads, 1), ("--make-array", a.make_array, 1)):
-        if value is not None and value < low:
-            raise SystemExit(f"{flag} must be >= {low}, got {value}")
-    for flag, value in (("--gib", a.gib), ("--job-mib", a.job_mib), ("--io-unit-mib", a.io_unit_mib),
-                        ("--engine-switch-ms", a.engine_switch_ms),
-                        ("--raw-seconds", a.raw_seconds), ("--array-gib", a.array_gib)):
-        if value is not None and not value > 0:
-            raise SystemExit(f"{flag} must be > 0, got {value}")
-    if a.case_seconds is not None and not a.case_seconds >= 0:
-        raise SystemExit(f"--case-seconds must be >= 0, got {a.case_seconds}")
-    if a.make_array is not None and a.dir:
-        raise SystemExit("--make-array builds its own drives: give it or --dir, not both")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no GPU")
-    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-    case_seconds = a.case_seconds if a.case_seconds is not None else (0.0 if a.quick else 2.0)
-    return Config(
-        device=device, dirs=a.dir or [os.getcwd()], layouts=parse_layouts(a.layouts, a.layout),
-        modes=comma_list("--modes", a.modes, ("direct", "pagecache")), seals=comma_list("--seals", a.seals, SEALS),
-        only=frozenset(comma_list("--only", a.only, GROUPS)),
-        case_bytes=int(a.gib * GiB) if a.gib else (8 * MiB if a.quick else None),
-        case_seconds=case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
-        job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads,
-        io_unit_bytes=int(a.io_unit_mib * MiB), slots=a.slots, allow_drop_caches=not a.no_drop_caches,
-        quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=dram_streams(a.dram_streams),
-        engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
-        engine_paths=tuple(comma_list("--engine-paths", a.engine_paths, engine.PATHS)),
-        engine_shares=engine_shares(a.engine_shares), engine_max_repeats=a.engine_max_repeats,
-        engine_switch_ms=a.engine_switch_ms,
-    )
+def layout_spec(text: str) -> Layout:
+    """``--layout NAME:TENSORSxBYTES``, checked where it is parsed."""
+    try:
+        name, shape = text.split(":")
+        count, nbytes = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want NAME:TENSORSxBYTES, e.g. big:80x65536") from None
+    if not name or count < 1 or nbytes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a name, and tensors and bytes >= 1")
+    return Layout(name, (nbytes,) * count, f"custom: {count} tensors x {nbytes} B")
 
 
 def engine_config(cfg: Config, work: list[str]) -> engine.EngineConfig:
@@ -696,8 +592,8 @@ def engine_shares(text: str) -> tuple[float, ...]:
         shares = tuple(float(x) for x in text.split(","))
     except ValueError:
         shares = ()
-    if not shares or not all(0 < x < 1 for x in shares):
-        raise SystemExit(f"--engine-shares {text!r}: expected a comma list of fractions in (0, 1), e.g. 0.25,0.75")
+    if not shares or not all(0 < x < 1 for x in shares):  # nan and inf are outside too
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of fractions in (0, 1), e.g. 0.25,0.75")
     return shares
 
 
@@ -707,8 +603,95 @@ def dram_streams(text: str) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
-        raise SystemExit(f"--dram-streams {text!r}: expected a comma list of distinct integers >= 1, e.g. 1,4")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of distinct integers >= 1, e.g. 1,4")
     return counts
+
+
+def build_parser() -> cli_args.Parser:
+    p = cli_args.Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--dir", action="append", default=None, type=cli_args.Directory(),
+                   help="directory for the files (repeat to stripe over several; default: the current directory)")
+    p.add_argument("--make-array", type=cli_args.Integer(1), metavar="N",
+                   help="root only: build N RAM-backed drives (loop devices over /dev/shm files), run on them "
+                        "(one drive alone, all N striped), then tear them down")
+    p.add_argument("--array-gib", type=cli_args.Number(above=0.0), default=14.0,
+                   help="GiB per --make-array drive (14)")
+    p.add_argument("--fs", choices=("ext4", "xfs"), default="ext4", help="file system of --make-array drives")
+    p.add_argument("--layouts", type=cli_args.Names(tuple(LAYOUTS)), default=list(LAYOUTS),
+                   help=f"comma list of {', '.join(LAYOUTS)}")
+    p.add_argument("--layout", action="append", default=[], type=layout_spec, metavar="NAME:TENSORSxBYTES",
+                   help="add a layout, e.g. big:80x65536 (repeatable)")
+    p.add_argument("--only", type=cli_args.Names(GROUPS), default=list(DEFAULT_GROUPS),
+                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but engine); "
+                        "the ceilings they are compared with always run")
+    p.add_argument("--gib", dest="case_bytes", type=cli_args.Amount(GiB, "GiB"), default=None,
+                   help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
+    p.add_argument("--max-blocks", type=cli_args.Integer(1), default=16384,
+                   help="at most this many blocks per pass (16384: 1 GiB of 64 KiB blocks)")
+    p.add_argument("--case-seconds", type=cli_args.Number(minimum=0.0), default=None,
+                   help="time every case over at least this many seconds, repeating passes (2; --quick: one pass)")
+    p.add_argument("--raw-seconds", type=cli_args.Number(above=0.0), default=0.3,
+                   help="seconds per queue depth in a raw sweep (0.3); the best depth then runs --case-seconds")
+    p.add_argument("--modes", type=cli_args.Names(("direct", "pagecache")), default=["direct", "pagecache"],
+                   help="comma list of direct, pagecache")
+    p.add_argument("--seals", type=cli_args.Names(SEALS), default=list(SEALS),
+                   help="comma list of how slots are sealed: aes-gcm (the default: encrypted), xxh3 (checksums), off")
+    p.add_argument("--job-mib", dest="job_bytes", type=cli_args.Amount(MiB, "MiB"), default=32 * MiB,
+                   help="MiB per launch_copy job (32)")
+    p.add_argument("--io-threads", type=cli_args.Integer(1, cli_args.MAX_IO_THREADS), default=None,
+                   help="DiskBackend io_threads (default: the backend's)")
+    p.add_argument("--dram-streams", type=dram_streams, default=(1,),
+                   help="comma list: streams per direction of the DRAM backend, one case each (1: vLLM's DMA backend)")
+    p.add_argument("--io-unit-mib", dest="io_unit_bytes", type=cli_args.Amount(MiB, "MiB"),
+                   default=DEFAULT_IO_UNIT_BYTES, help=f"DiskBackend io_unit_bytes in MiB ({DEFAULT_IO_UNIT_BYTES / MiB:g})")
+    p.add_argument("--slots", choices=("random", "sequential"), default="random",
+                   help="slot placement: random (a warm free list, one IO per block) or sequential")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--engine-seconds", type=cli_args.Number(above=0.0), default=None,
+                   help="engine group: seconds per segment (1; --quick: 0.1); each case repeats its three "
+                        "segments until the ratios' spread is within 5%% (3 to 8 repeats)")
+    p.add_argument("--engine-paths", type=cli_args.Names(engine.PATHS), default=list(engine.PATHS),
+                   help="engine group: comma list of gpu (DiskBackend on --device) and tier (SlotTier on host rows)")
+    p.add_argument("--engine-shares", type=engine_shares, default=engine.SHARES,
+                   help="engine group: comma list of Python's share of a 20 ms step, each in (0, 1)")
+    p.add_argument("--engine-max-repeats", type=cli_args.Integer(3), default=8,
+                   help="engine group: at most this many repeats per case (8; at least 3)")
+    p.add_argument("--engine-switch-ms", type=cli_args.Number(above=0.0), default=None,
+                   help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
+                        "to measure how the GIL hand-over interval trades the two ratios")
+    p.add_argument("--runs", type=cli_args.Integer(1), default=1,
+                   help="repeat everything N times; report best and worst")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="never write /proc/sys/vm/drop_caches (fadvise only)")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, every figure, every byte checked")
+    p.add_argument("--seed", type=cli_args.Integer(0), default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--profile", metavar="FILE", type=cli_args.OutputFile(),
+                   help="write a cProfile (pstats) of the kvoffload cases")
+    return p
+
+
+def config_from(a: argparse.Namespace) -> Config:
+    """The run's configuration; what the flags' own checks cannot see (two flags together,
+    the machine) is refused here, still before anything is made."""
+    if a.make_array is not None and a.dir:
+        raise UsageError("--make-array builds its own drives: give it or --dir, not both")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but torch sees no GPU")
+    device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+    case_seconds = a.case_seconds if a.case_seconds is not None else (0.0 if a.quick else 2.0)
+    return Config(
+        device=device, dirs=a.dir or [os.getcwd()],
+        layouts=[LAYOUTS[n] for n in a.layouts] + a.layout, modes=a.modes, seals=a.seals, only=frozenset(a.only),
+        case_bytes=a.case_bytes if a.case_bytes is not None else (8 * MiB if a.quick else None),
+        case_seconds=case_seconds, raw_seconds=0.02 if a.quick else a.raw_seconds,
+        job_bytes=2 * MiB if a.quick else a.job_bytes, io_threads=a.io_threads,
+        io_unit_bytes=a.io_unit_bytes, slots=a.slots, allow_drop_caches=not a.no_drop_caches,
+        quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=a.dram_streams,
+        engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
+        engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
+        engine_switch_ms=a.engine_switch_ms,
+    )
 
 
 @dataclass
@@ -725,9 +708,13 @@ class Outcome:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return cli_args.main(PROG, lambda: _run(argv))
+
+
+def _run(argv: Optional[list[str]]) -> int:
     a = build_parser().parse_args(argv)
     cfg = config_from(a)
-    given = f"--gib {a.gib:.10g}" if a.gib else "--quick (8 MiB per case)"
+    given = f"--gib {a.case_bytes / GiB:.10g}" if a.case_bytes is not None else "--quick (8 MiB per case)"
     prof = ThreadProfiler() if a.profile else None
     array: Optional[RamArray] = None
     got = Outcome()

@@ -44,9 +44,12 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvoffload import budget, cli_args
 from kvoffload.bench import fs_core
 from kvoffload.bench.ceilings import RawFile, Timed, sweep
-from kvoffload.vllm_tier import SlotTier, TierConfig
+from kvoffload.cli_args import UsageError
+from kvoffload.slot_file import SlotFileError
+from kvoffload.vllm_tier import SlotTier
 
 GiB = 2**30
 MiB = 2**20
@@ -69,14 +72,14 @@ class TierRun:
 
 
 def _vllm() -> Any:
-    """vLLM's tiering classes, or exit with what to install."""
+    """vLLM's tiering classes; without them, a ``UsageError`` saying what to install."""
     try:
         from vllm.v1.kv_offload import base, config
         from vllm.v1.kv_offload.tiering import base as tiering
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
     except ImportError as e:
-        raise SystemExit(f"python -m kvoffload.bench.tier needs vLLM 0.33 importable (its fs tier is the "
-                         f"baseline): {e}") from e
+        raise UsageError(f"--tiers kvoffload and fs need vLLM 0.33 importable (its fs tier is the baseline): {e}; "
+                         "--tiers kvoffload-direct needs none") from None
     return base, config, tiering, TieringOffloadingSpec
 
 
@@ -310,15 +313,51 @@ def raw_ceilings(dirs: list[str], chunk_bytes: int, nbytes: int, seconds: float)
             f.close()
 
 
+def plan(a: argparse.Namespace) -> tuple[int, int, list[tuple[str, int, Optional[bool]]]]:
+    """(chunks, primary chunks, the (tier, directories, direct_io) cases to run); a run that cannot
+    fit the directories or host memory is refused here, before anything is written."""
+    n = max(1, a.total_bytes // a.chunk_bytes)
+    primary_chunks = max(1, min(n, a.primary_bytes // a.chunk_bytes))
+    ndirs = len(a.dir)
+    # kvoffload's rows once per --direct-io setting (None: the tier's default), in one run with fs's.
+    settings = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.direct_io]
+    cases = [(k, ndirs, d) for k in ("kvoffload", "kvoffload-direct") for d in settings]
+    for f in ("fs", "fs-core"):
+        if ndirs == 1 or a.fs_dirs != "all":
+            cases.append((f, 1, None))
+        if ndirs > 1 and a.fs_dirs != "first":
+            cases.append((f"{f} sharded", ndirs, None))
+    cases = [c for c in cases if c[0].split()[0] in a.tiers]
+    if any(c[0].split()[0] not in DIRECT_TIERS for c in cases):
+        _vllm()
+    # Each tier's files go before the next starts, so a directory needs the largest of them:
+    # kvoffload's share of the slots; fs writes a file per chunk of both store rounds.
+    need = [0] * ndirs
+    if not a.no_raw:
+        need = [max(a.chunk_bytes * 16, min(n * a.chunk_bytes, GiB) // ndirs)] * ndirs
+    for name, k, _ in cases:
+        per_dir = -(-n // k) * a.chunk_bytes * (1 if name.startswith("kvoffload") else 2)
+        need[:k] = [max(x, per_dir) for x in need[:k]]
+    for d, x in zip(a.dir, need):
+        free = cli_args.free_bytes(d)
+        if x > free:
+            raise UsageError(f"--gib {a.total_bytes / GiB:g}: the run needs {x} bytes at once on {d}, "
+                             f"{free} free")
+    # The primary and the copy its loads are checked against.
+    memory = 2 * primary_chunks * a.chunk_bytes
+    if memory > budget.mem_available():
+        raise UsageError(f"--primary-gib {a.primary_bytes / GiB:g}: the primary and its check copy need "
+                         f"{memory} bytes of memory, {budget.mem_available()} available")
+    return n, primary_chunks, cases
+
+
 def bench(a: argparse.Namespace) -> dict:
-    chunk_bytes = int(a.chunk_mib * MiB)
-    if chunk_bytes <= 0 or chunk_bytes % 4096:
-        raise SystemExit(f"--chunk-mib {a.chunk_mib}: a chunk must be a positive multiple of 4 KiB")
-    n = max(1, int(a.gib * GiB) // chunk_bytes)
-    primary_chunks = max(1, min(n, int(a.primary_gib * GiB) // chunk_bytes))
+    chunk_bytes = a.chunk_bytes
+    n, primary_chunks, cases = plan(a)
     dirs = [os.path.abspath(d) for d in a.dir]
     out: dict = {"dirs": dirs, "chunk_bytes": chunk_bytes, "chunks": n, "primary_chunks": primary_chunks,
-                 "job_chunks": a.job_chunks, "seal": a.seal, "io_unit_mib": a.io_unit_mib, "host": platform.node(),
+                 "job_chunks": a.job_chunks, "seal": a.seal,
+                 "io_unit_mib": None if a.io_unit_bytes is None else a.io_unit_bytes / MiB, "host": platform.node(),
                  "cpus": os.cpu_count(), "tiers": []}
     if not a.no_raw:
         raw = raw_ceilings(dirs, chunk_bytes, min(n * chunk_bytes, GiB), a.raw_seconds)
@@ -326,35 +365,23 @@ def bench(a: argparse.Namespace) -> dict:
                           "qd": t.detail["qd"]} for k, t in raw.items()}
         print(f"raw over {len(dirs)} dir(s): " + ", ".join(f"{k} {t.gib_s:.2f} GiB/s (qd {t.detail['qd']})"
                                                           for k, t in raw.items()), file=sys.stderr)
-    sharded = len(dirs) > 1
-    # kvoffload's rows once per --direct-io setting (None: the tier's default), in one run with fs's.
-    settings = {None: [None], "on": [True], "off": [False], "both": [False, True]}[a.direct_io]
-    cases = [(k, len(dirs), d) for k in ("kvoffload", "kvoffload-direct") for d in settings]
-    for f in ("fs", "fs-core"):
-        if not sharded or a.fs_dirs != "all":
-            cases.append((f, 1, None))
-        if sharded and a.fs_dirs != "first":
-            cases.append((f"{f} sharded", len(dirs), None))
-    wanted = a.tiers.split(",")
     core = None
-    if "fs-core" in wanted:
+    if "fs-core" in a.tiers:
         core = fs_core.load(a.fs_wheel, a.fs_files)
         out["fs_core"] = {"source": core.source, "io": core.path_name, "why_not_c": core.ext_error}
         print(f"fs-core: vLLM's fs IO from {core.source}: {core.path_name} path"
               + (f" ({core.ext_error})" if core.ext_error else ""), file=sys.stderr)
     for name, ndirs, direct_io in cases:
-        if name.split()[0] not in wanted:
-            continue
         workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
         try:
             if name.startswith("kvoffload"):
                 entry = {"type": "KvoffloadTier", "module_path": "kvoffload.vllm_tier",
                          "disk_paths": [os.path.join(w, "kv.bin") for w in workdirs],
                          "disk_capacity_bytes": n * chunk_bytes}
-                if a.io_threads:
+                if a.io_threads is not None:
                     entry["io_threads"] = a.io_threads
-                if a.io_unit_mib:
-                    entry["io_unit_bytes"] = int(a.io_unit_mib * MiB)
+                if a.io_unit_bytes is not None:
+                    entry["io_unit_bytes"] = a.io_unit_bytes
                 entry.update(encrypt=a.seal == "aes-gcm", checksums=a.seal == "xxh3")
                 if direct_io is not None:
                     entry["direct_io"] = direct_io
@@ -362,7 +389,9 @@ def bench(a: argparse.Namespace) -> dict:
             else:
                 entries = [{"type": "fs", "root_dir": w, "n_read_threads": a.fs_threads,
                             "n_write_threads": a.fs_threads} for w in workdirs]
-            r = run_tier(name, entries, workdirs, a, n, primary_chunks, chunk_bytes, a.seed, core)
+            # The tier's own refusal (the disk filled since the plan) is one line too.
+            with cli_args.usage_errors(SlotFileError):
+                r = run_tier(name, entries, workdirs, a, n, primary_chunks, chunk_bytes, a.seed, core)
         finally:
             for w in workdirs:
                 shutil.rmtree(w, ignore_errors=True)
@@ -435,48 +464,59 @@ def label(t: dict) -> str:
     return f"{t['tier']} ({'into rows' if t['direct_io']['load'] else 'staged'})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvoffload.bench.tier", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", action="append", required=True,
+PROG = "python -m kvoffload.bench.tier"
+TIERS = ("kvoffload", "fs", "kvoffload-direct", "fs-core")
+
+
+def build_parser() -> cli_args.Parser:
+    p = cli_args.Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--dir", action="append", required=True, type=cli_args.Directory(),
                    help="directory for the tiers' files (repeat: kvoffload stripes over all, fs takes the first)")
-    p.add_argument("--gib", type=float, default=4.0, help="GiB stored and loaded per tier (4)")
-    p.add_argument("--chunk-mib", type=float, default=2.0, help="MiB per chunk, one primary row (2: Llama-3-8B, "
-                   "16 tokens)")
-    p.add_argument("--job-chunks", type=int, default=16, help="chunks per submit_store / submit_load job (16)")
-    p.add_argument("--primary-gib", type=float, default=1.0, help="GiB of CPU primary; loads go in waves of it (1)")
-    p.add_argument("--tiers", default="kvoffload,fs",
+    p.add_argument("--gib", dest="total_bytes", type=cli_args.Amount(GiB, "GiB"), default=4 * GiB,
+                   help="GiB stored and loaded per tier (4)")
+    p.add_argument("--chunk-mib", dest="chunk_bytes", type=cli_args.Amount(MiB, "MiB", minimum=4096, multiple=4096),
+                   default=2 * MiB, help="MiB per chunk, one primary row, a multiple of 4 KiB (2: Llama-3-8B, 16 tokens)")
+    p.add_argument("--job-chunks", type=cli_args.Integer(1), default=16,
+                   help="chunks per submit_store / submit_load job (16)")
+    p.add_argument("--primary-gib", dest="primary_bytes", type=cli_args.Amount(GiB, "GiB"), default=GiB,
+                   help="GiB of CPU primary; loads go in waves of it (1)")
+    p.add_argument("--tiers", type=cli_args.Names(TIERS), default=["kvoffload", "fs"],
                    help="comma list of kvoffload, fs, kvoffload-direct (kvoffload's tier without vLLM), fs-core "
                         "(vLLM's fs IO core from its wheel's files, without vLLM)")
-    p.add_argument("--io-threads", type=int, default=None, help="kvoffload io_threads (default: the backend's)")
-    p.add_argument("--io-unit-mib", type=float, default=None,
+    p.add_argument("--io-threads", type=cli_args.Integer(1, cli_args.MAX_IO_THREADS), default=None,
+                   help="kvoffload io_threads (default: the backend's)")
+    p.add_argument("--io-unit-mib", dest="io_unit_bytes", type=cli_args.Amount(MiB, "MiB"), default=None,
                    help="kvoffload io_unit_bytes in MiB (default: the tier's)")
     p.add_argument("--seal", choices=("aes-gcm", "xxh3", "off"), default="aes-gcm",
                    help="how kvoffload's tier seals a slot: aes-gcm (its default: encrypted), xxh3 (checksums), off")
     p.add_argument("--direct-io", choices=("on", "off", "both"), default=None,
                    help="kvoffload's direct_io: file IO straight between the slot file and the primary's rows where "
                         "aligned (on), or through staging (off), or a row of each (both); default: the tier's (off)")
-    p.add_argument("--fs-threads", type=int, default=16, help="fs tier read and write threads each (16, its default)")
+    p.add_argument("--fs-threads", type=cli_args.Integer(1, cli_args.MAX_IO_THREADS), default=16,
+                   help="fs tier read and write threads each (16, its default)")
     p.add_argument("--fs-dirs", choices=("first", "all", "both"), default="both",
                    help="with several --dir: fs and fs-core on the first only, one tier per --dir (the 'sharded' "
                         "rows; each tier its own threads), or both (default); fs writes each round to new files")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--fs-wheel", metavar="WHL", help="fs-core: the vLLM 0.33 wheel to read the fs tier's IO from")
-    src.add_argument("--fs-files", metavar="DIR", help="fs-core: a directory the wheel's fs files were unpacked into "
-                   f"(its paths kept: {fs_core.IO_PY}, {fs_core.POOL_PY}, {fs_core.EXT_SO})")
-    p.add_argument("--raw-seconds", type=float, default=0.5, help="seconds per raw queue depth (0.5)")
+    src.add_argument("--fs-wheel", metavar="WHL", type=cli_args.InputFile(),
+                     help="fs-core: the vLLM 0.33 wheel to read the fs tier's IO from")
+    src.add_argument("--fs-files", metavar="DIR", type=cli_args.Directory(),
+                     help="fs-core: a directory the wheel's fs files were unpacked into "
+                     f"(its paths kept: {fs_core.IO_PY}, {fs_core.POOL_PY}, {fs_core.EXT_SO})")
+    p.add_argument("--raw-seconds", type=cli_args.Number(above=0.0), default=0.5,
+                   help="seconds per raw queue depth (0.5)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT ceilings")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli_args.Integer(0), default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    return cli_args.main(PROG, lambda: _run(argv))
+
+
+def _run(argv: Optional[list[str]]) -> int:
     a = build_parser().parse_args(argv)
-    if a.job_chunks < 1 or a.gib <= 0 or a.primary_gib <= 0 or (a.io_unit_mib is not None and a.io_unit_mib <= 0):
-        raise SystemExit("--job-chunks, --gib, --primary-gib and --io-unit-mib must be positive")
-    for d in a.dir:
-        if not os.path.isdir(d):
-            raise SystemExit(f"--dir {d}: no such directory (the tiers' files go there; create it first)")
     out = bench(a)
     print(json.dumps(out, indent=1) if a.json else table(out))
     return 0 if out["ok"] else 1

@@ -1,0 +1,63 @@
+"""What a pool of slots will cost, checked before any of it exists: disk and host memory.
+
+A capacity is a promise of disk space and of per-slot state in memory (a seal record
+per slot, the scheduler's LRU entry per slot under the tier), both proportional to the
+slot count. A mistaken capacity (``10000TiB`` at 8 KiB chunks: 1.3e12 slots) must be
+refused with the figures, not found out by a ``MemoryError`` in the middle of building
+per-slot lists, so ``DiskBackend.init`` and ``SlotTier`` call ``check`` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.os_calls import OsCalls
+from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, check_space, slot_bytes_for
+
+# Host memory per slot once every slot holds a store (tracemalloc, CPython 3.11; a
+# test keeps them at least what is measured): the list entry plus the seal's record,
+# a (nonce, tag) tuple for AES-GCM, an int for xxh3, True for validity only.
+RECORD_BYTES = {"aes-gcm": 144, "xxh3": 48, "off": 8}
+# The tier's SlotPool per slot, every slot cached: its free queue's and both maps'
+# entries (the keys themselves are the caller's objects and not counted). Measured
+# 209-352 B: dicts grow by doubling, so the figure is the top of that range.
+POOL_SLOT_BYTES = 360
+# Used where /proc/meminfo cannot be read; large, so that only absurd sizes are refused.
+UNKNOWN_MEMORY = 1 << 50
+
+
+def file_slots(num_slots: int, num_files: int, i: int) -> int:
+    """Slots of file ``i`` when slot ``s`` lives in file ``s % num_files`` (arithmetic, so
+    a count of 1e30 is refused by the disk check rather than by ``len(range(...))``)."""
+    return max(0, (num_slots - i + num_files - 1) // num_files)
+
+
+def mem_available(default: int = UNKNOWN_MEMORY) -> int:
+    """MemAvailable of /proc/meminfo: what the kernel can hand out without swapping
+    (``default`` where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return default
+
+
+def check(osc: OsCalls, key: str, paths: Sequence[str], num_slots: int, block_bytes: int, use_page_cache: bool,
+          memory_bytes: int) -> None:
+    """Refuse a pool of ``num_slots`` over ``paths`` (slot s in file s % n) whose files
+    cannot fit their file systems, or whose ``memory_bytes`` of host memory (per-slot
+    state, staging) cannot be had. ``key`` names the setting the size came from.
+
+    The files are checked at the smallest padding they can have (the real alignment is
+    known only once a file exists; ``SlotFile.create`` checks the exact size again).
+    """
+    slot = slot_bytes_for(block_bytes, MIN_DIRECT_ALIGNMENT, use_page_cache)
+    for i, path in enumerate(paths):
+        check_space(osc, path, file_slots(num_slots, len(paths), i) * slot)
+    have = mem_available()
+    if memory_bytes > have:
+        raise ValueError(f"{key}: not enough memory for the state of {num_slots} slots: need {memory_bytes} bytes, "
+                         f"{have} available")
