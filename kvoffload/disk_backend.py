@@ -23,6 +23,7 @@ import torch
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.load_path import LoadLane
+from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
 from kvoffload.run import Run
 from kvoffload.slot_file import SlotFile
@@ -97,6 +98,7 @@ class DiskBackend:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         os_calls: Optional[OsCalls] = None,
         device_impl: Optional[Device] = None,
+        collect_metrics: bool = True,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -112,6 +114,8 @@ class DiskBackend:
           (``UnreportedLoadError``) rather than end quietly on stale device blocks.
         - ``io_threads``: IO threads (and staging buffers) per lane; by default up to 8,
           fewer with several disk paths (``default_io_threads``), at least ``num_buffer_slots``.
+        - ``collect_metrics``: count for ``take_metrics`` and the shutdown summary (off: only
+          ``stats()``; the bench compares the two).
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -136,10 +140,13 @@ class DiskBackend:
             raise ValueError(f"num_disk_slots={num_disk_slots} is fewer than the {len(paths)} disk paths")
         budget = capacity_bytes if capacity_bytes is not None else num_disk_slots * total_block_bytes
         _positive_int("capacity_bytes", budget)
+        if not isinstance(collect_metrics, bool):
+            raise TypeError(f"collect_metrics must be a bool, got {collect_metrics!r}")
         device = resolve_device(device)
         dev = device_impl if device_impl is not None else make_device(device)
         osc = os_calls if os_calls is not None else OsCalls()
-        run = Run(osc, dev, layout, num_disk_slots, make_seal(encrypt, checksums), report_load_errors, threads)
+        run = Run(osc, dev, layout, num_disk_slots, make_seal(encrypt, checksums), report_load_errors, threads,
+                  IoMetrics(len(paths), enabled=collect_metrics))
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -158,6 +165,11 @@ class DiskBackend:
                 run.lanes[True].append(StoreLane(run, f, store_stream, rows))
                 run.lanes[False].append(LoadLane(run, f, load_stream, rows))
             run.start_threads(start_timeout)
+            run.metrics.info = {
+                "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
+                "staging_bytes": self._staging_bytes(run), "io_threads": threads, "paths": len(paths),
+                "seal": run.seal.name, "io": "page_cache" if use_page_cache else "o_direct",
+            }
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
@@ -211,6 +223,7 @@ class DiskBackend:
         if run is None:
             return
         alive = run.stop(self.clock() + self._join_timeout, self.clock)
+        logger.info("kvoffload run summary: %s", run.metrics.summary())
         if alive:
             # Closing the fd under a live pwritev would let the number be reused by
             # another file, which the late write would then corrupt. The run stays
@@ -249,8 +262,24 @@ class DiskBackend:
         run = self._require_run()
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
-                     "staging_bytes": sum(b.numel() * b.element_size() for b in run.pinned)}
+                     "staging_bytes": self._staging_bytes(run)}
         return {**moved, "stage_seconds": run.stage_seconds()}
+
+    def take_metrics(self) -> Optional[dict[str, Any]]:
+        """What changed since the last call, as vLLM's stats payload (``kvoffload.metrics``:
+        blocks and bytes moved, failures by cause, latency histograms, queued units, busy
+        IO seconds; the tier's facts once). None when nothing changed or collection is off."""
+        run = self._run
+        if run is None or not run.metrics.enabled:
+            return None
+        busy = {d: sum(sec for stage, sec in stages.items() if stage != "wait")
+                for d, stages in run.stage_seconds().items()}
+        queued = {(lane.direction, lane.path): lane.queue.qsize() for lanes in run.lanes.values() for lane in lanes}
+        return run.metrics.take(queued, busy)
+
+    @staticmethod
+    def _staging_bytes(run: Run) -> int:
+        return sum(b.numel() * b.element_size() for b in run.pinned)
 
     def _require_run(self) -> Run:
         run = self._run
