@@ -317,7 +317,7 @@ class CpuEngine:
         outputs = self.scheduler.update_from_output(out, runner_out)
         for eco in outputs.values():
             if eco.scheduler_stats is not None:
-                self.scheduler_stats.append(_over_ipc(eco).scheduler_stats)
+                self.scheduler_stats.append(over_ipc(eco).scheduler_stats)
         self.steps += 1
 
     def _execute(self, out: Any) -> ModelRunnerOutput:
@@ -391,7 +391,7 @@ class CpuEngine:
             backend.shutdown()
 
 
-def _over_ipc(eco: EngineCoreOutputs) -> EngineCoreOutputs:
+def over_ipc(eco: EngineCoreOutputs) -> EngineCoreOutputs:
     """What the frontend decodes of the engine core's output (vLLM's msgpack)."""
     return MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(eco))
 
