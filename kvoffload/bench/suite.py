@@ -4,7 +4,8 @@ In one run on one file system: raw O_DIRECT and buffered file IO at the block si
 (best of queue depths 1-16), pinned copies and host memcpy, the seals alone, then
 kvoffload's store, rewrite, cold load and warm load (O_DIRECT and page cache;
 slots encrypted, checksummed or neither), the DRAM backend, the device seam alone,
-and striping over several drives. Every case runs for at least --case-seconds;
+and striping over several drives; on request (``--only metrics``) the load rate with
+kvoffload's metric collection on and off. Every case runs for at least --case-seconds;
 every loaded byte is compared with what was stored. The table (or ``--json``) comes last.
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import pstats
+import statistics
 import shutil
 import sys
 import tempfile
@@ -58,7 +60,9 @@ HOST_BOUND_FORMULA = ("host-memory bound = 2/3 x host memcpy (a page-cache load 
 # How the backend seals slots by default (its init's encrypt=True).
 DEFAULT_SEAL = "aes-gcm"
 SEALS = tuple(SEAL_CLASSES)
-GROUPS = ("disk", "stripe", "dram", "seam", "seal")
+GROUPS = ("disk", "stripe", "dram", "seam", "seal", "metrics")
+# What a run measures unless --only says: the metric-collection cost runs on request.
+DEFAULT_GROUPS = ("disk", "stripe", "dram", "seam", "seal")
 DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
 # Case sizes found by the probe stay within these.
 MIN_CASE_BYTES = 256 * MiB
@@ -99,6 +103,7 @@ class Config:
     seed: int
     max_blocks: int = 16384
     dram_streams: tuple[int, ...] = (1,)
+    metrics_pairs: int = 5  # on/off load pairs of the metrics group
 
     @property
     def ceiling_seconds(self) -> float:
@@ -180,6 +185,9 @@ class Bench:
                                   f"{L.name} {mode} {seal}", "disk", 1, ceil, warm_load=True)
             if "dram" in cfg.only:
                 self.dram(L, caches, ref, jobs)
+            if "metrics" in cfg.only:
+                for mode in cfg.modes:
+                    self.metrics_cost(L, caches, ref, work[0], mode, jobs)
             if "stripe" in cfg.only and stripe_here:
                 self.stripe(L, caches, ref, work, jobs, n, slot, ceil)
         finally:
@@ -307,6 +315,60 @@ class Bench:
         finally:
             if backend is not None:
                 backend.shutdown()
+
+    def metrics_cost(self, L: Layout, caches, ref, directory: str, mode: str, jobs) -> None:
+        """Load throughput with metric collection on and off (``DiskBackend(collect_metrics=)``):
+        two backends on one drive, each stored once, then their loads timed in turn, the
+        order alternating, --metrics-pairs times; each timing over --case-seconds. The
+        metrics are taken after every pass, as vLLM's worker does every step."""
+        cfg = self.cfg
+        store_jobs, load_jobs = jobs
+        n = sum(len(s) for s, _ in store_jobs)
+        backends: dict[bool, DiskBackend] = {}
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        totals = {on: Timed(0, 0.0, 0.0) for on in (True, False)}
+        oks: list[bool] = []
+        try:
+            for on in (True, False):
+                b = DiskBackend()
+                b.init(caches, cfg.device, None, None, os.path.join(directory, f"metrics-{on}.bin"), n,
+                       L.block_bytes, use_page_cache=mode == "pagecache", encrypt=DEFAULT_SEAL == "aes-gcm",
+                       io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True,
+                       capacity_bytes=n * round_up(L.block_bytes, 4096), collect_metrics=on)
+                backends[on] = b
+                _, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
+                oks.append(ok)
+
+            def load(b: DiskBackend) -> Timed:
+                poison(caches)
+                with self.profiled():
+                    t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
+                b.take_metrics()
+                oks.append(ok and not b.get_block_ids_with_load_errors() and verify(caches, ref))
+                return t
+
+            for i in range(cfg.metrics_pairs):
+                for on in (True, False) if i % 2 == 0 else (False, True):
+                    t = passes(cfg.case_seconds, lambda: load(backends[on]))
+                    rates[on].append(t.gib_s)
+                    for f in ("nbytes", "seconds", "cpu_seconds"):
+                        setattr(totals[on], f, getattr(totals[on], f) + getattr(t, f))
+        finally:
+            for b in backends.values():
+                b.shutdown()
+        ratios = [a / b for a, b in zip(rates[True], rates[False])]
+        info = {"mode": mode, "seal": DEFAULT_SEAL, "blocks": n, "block_bytes": L.block_bytes, "pairs": len(ratios),
+                "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes}
+        prefix = f"{L.name} {mode} metrics"
+        self.add(Case(f"{prefix} off load", "metrics", L.name, totals[False], (), all(oks),
+                      {**info, "collect": False, "gib_s_per_pair": [round(r, 4) for r in rates[False]]}))
+        self.add(Case(f"{prefix} on load", "metrics", L.name, totals[True], (f"{prefix} off load",), all(oks),
+                      {**info, "collect": True, "gib_s_per_pair": [round(r, 4) for r in rates[True]],
+                       "on_off": {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+                                  "max": round(max(ratios), 4), "per_pair": [round(r, 4) for r in ratios]}}))
+        self.log(f"  {prefix}: on {statistics.median(rates[True]):.3f} GiB/s, off {statistics.median(rates[False]):.3f}"
+                 f" GiB/s (medians of {len(ratios)}); on/off median {statistics.median(ratios):.4f}, "
+                 f"min {min(ratios):.4f}, max {max(ratios):.4f}")
 
     def dram(self, L: Layout, caches, ref, jobs) -> None:
         for streams in self.cfg.dram_streams:
@@ -584,9 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--layout", action="append", default=[], metavar="NAME:TENSORSxBYTES",
                    help="add a layout, e.g. big:80x65536 (repeatable)")
-    p.add_argument("--only", default=",".join(GROUPS),
-                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all); "
-                        "the ceilings they are compared with always run")
+    p.add_argument("--only", default=",".join(DEFAULT_GROUPS),
+                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but metrics: "
+                        "load with metric collection on and off); the ceilings they are compared with always run")
+    p.add_argument("--metrics-pairs", type=int, default=5,
+                   help="--only metrics: on/off load timings, interleaved, the order alternating (5)")
     p.add_argument("--gib", type=float, default=None,
                    help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
     p.add_argument("--max-blocks", type=int, default=16384,
@@ -618,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(a: argparse.Namespace) -> Config:
-    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1),
+    for flag, value, low in (("--runs", a.runs, 1), ("--max-blocks", a.max_blocks, 1), ("--metrics-pairs", a.metrics_pairs, 1),
                              ("--io-threads", a.io_threads, 1), ("--make-array", a.make_array, 1)):
         if value is not None and value < low:
             raise SystemExit(f"{flag} must be >= {low}, got {value}")
@@ -643,6 +707,7 @@ def config_from(a: argparse.Namespace) -> Config:
         job_bytes=int((2 if a.quick else a.job_mib) * MiB), io_threads=a.io_threads,
         io_unit_bytes=int(a.io_unit_mib * MiB), slots=a.slots, allow_drop_caches=not a.no_drop_caches,
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=dram_streams(a.dram_streams),
+        metrics_pairs=a.metrics_pairs,
     )
 
 
