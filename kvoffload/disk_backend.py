@@ -98,7 +98,6 @@ class DiskBackend:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         os_calls: Optional[OsCalls] = None,
         device_impl: Optional[Device] = None,
-        collect_metrics: bool = True,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -114,8 +113,6 @@ class DiskBackend:
           (``UnreportedLoadError``) rather than end quietly on stale device blocks.
         - ``io_threads``: IO threads (and staging buffers) per lane; by default up to 8,
           fewer with several disk paths (``default_io_threads``), at least ``num_buffer_slots``.
-        - ``collect_metrics``: count for ``take_metrics`` and the shutdown summary (off: only
-          ``stats()``; the bench compares the two).
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -140,13 +137,11 @@ class DiskBackend:
             raise ValueError(f"num_disk_slots={num_disk_slots} is fewer than the {len(paths)} disk paths")
         budget = capacity_bytes if capacity_bytes is not None else num_disk_slots * total_block_bytes
         _positive_int("capacity_bytes", budget)
-        if not isinstance(collect_metrics, bool):
-            raise TypeError(f"collect_metrics must be a bool, got {collect_metrics!r}")
         device = resolve_device(device)
         dev = device_impl if device_impl is not None else make_device(device)
         osc = os_calls if os_calls is not None else OsCalls()
         run = Run(osc, dev, layout, num_disk_slots, make_seal(encrypt, checksums), report_load_errors, threads,
-                  IoMetrics(len(paths), enabled=collect_metrics))
+                  IoMetrics(len(paths)))
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -249,6 +244,18 @@ class DiskBackend:
         """True unless the backend is initialised and accepting jobs."""
         run = self._run
         return run is None or run.closing
+
+    @property
+    def collect_metrics(self) -> bool:
+        """Whether the run counts for ``take_metrics`` and the shutdown summary (on by default).
+        Switched off, nothing is counted until it is on again: the bench's comparison."""
+        return self._require_run().metrics.enabled
+
+    @collect_metrics.setter
+    def collect_metrics(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"collect_metrics must be a bool, got {on!r}")
+        self._require_run().metrics.enabled = on
 
     @property
     def files(self) -> list[SlotFile]:

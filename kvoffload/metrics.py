@@ -170,11 +170,11 @@ class IoMetrics:
 
     Its own lock is taken once per IO unit, twice per job and on each failure; the
     counts are cumulative, and ``take`` reports what changed since its last call.
-    ``enabled=False`` makes every method return at once (the bench's comparison).
+    With ``enabled`` False every method returns at once (the bench's comparison).
     """
 
-    def __init__(self, num_paths: int, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, num_paths: int) -> None:
+        self.enabled = True
         self.num_paths = num_paths
         self.lock = threading.Lock()
         self.blocks = [[0] * num_paths for _ in DIRECTIONS]

@@ -158,18 +158,27 @@ def test_shutdown_line_sums_up_the_run_with_closing_refusals(tmp_path, caplog):
 
 
 def test_collection_off_counts_nothing_and_moves_the_same(tmp_path, caplog):
-    b = start(tmp_path, collect_metrics=False)
+    # Goal: the bench's switch. Off, nothing is counted and nothing reported; on
+    # again, counting resumes from there.
+    b = start(tmp_path)
     try:
+        assert b.collect_metrics is True
+        b.collect_metrics = False
         assert job(b, range(16), range(16), True) and job(b, range(16), range(16), False)
         assert b.take_metrics() is None
         assert b.stats()["bytes_read"] == 16 * SLOT
+        b.collect_metrics = True
+        assert job(b, range(4), range(4), False)
+        p = b.take_metrics()
+        assert data(p, m.BLOCKS) == {("load", "0"): 4} and len(data(p, m.JOB_SECONDS)[("load",)]) == 1
+        with pytest.raises(TypeError, match="collect_metrics must be a bool"):
+            b.collect_metrics = 1
+        b.collect_metrics = False
         with caplog.at_level(logging.INFO, logger="kvoffload"):
             b.shutdown()
     finally:
         b.shutdown()
     assert any(r.getMessage() == "kvoffload run summary: metrics collection off" for r in caplog.records)
-    with pytest.raises(TypeError, match="collect_metrics must be a bool"):
-        start(tmp_path, collect_metrics=1)
 
 
 def test_histogram_replay_keeps_every_bucket_count_and_the_sum():
@@ -224,3 +233,17 @@ def test_hit_metrics_report_changes_only():
     assert data(p, m.SLOTS_USED) == {(): 3} and data(p, m.SLOTS_FREE) == {(): 7}
     assert h.take(slots_used=3, slots_capacity=10) is None
     assert h.take(slots_used=4, slots_capacity=10)["data"] == {m.SLOTS_USED: {(): 4}, m.SLOTS_FREE: {(): 6}}
+
+
+def test_docs_table_lists_every_metric_with_its_type_and_labels():
+    # Goal: docs/vllm.md's metric table is the exported set: same names (as scraped),
+    # types and labels, nothing missing, nothing extra.
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `vllm:kvoffload_"):
+            name, kind, labels = (c.strip() for c in line.split("|")[1:4])
+            rows[name.strip("`")] = (kind, tuple(x.strip(" `") for x in labels.split(",")) if labels != "-" else ())
+    assert rows == {d.name: (d.kind, d.labels) for d in m.METRICS.values()}

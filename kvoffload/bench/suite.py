@@ -317,29 +317,25 @@ class Bench:
                 backend.shutdown()
 
     def metrics_cost(self, L: Layout, caches, ref, directory: str, mode: str, jobs) -> None:
-        """Load throughput with metric collection on and off (``DiskBackend(collect_metrics=)``):
-        two backends on one drive, each stored once, then their loads timed in turn, the
-        order alternating, --metrics-pairs times; each timing over --case-seconds. The
-        metrics are taken after every pass, as vLLM's worker does every step."""
+        """Load throughput with metric collection on and off (``DiskBackend.collect_metrics``):
+        one backend, stored once, then its loads timed with collection on and off in turn,
+        the order alternating, --metrics-pairs times; each timing over --case-seconds. The
+        same file, staging and threads for both, so only the collection differs. With it
+        on, the metrics are taken after every pass, as vLLM's worker does every step."""
         cfg = self.cfg
         store_jobs, load_jobs = jobs
         n = sum(len(s) for s, _ in store_jobs)
-        backends: dict[bool, DiskBackend] = {}
         rates: dict[bool, list[float]] = {True: [], False: []}
         totals = {on: Timed(0, 0.0, 0.0) for on in (True, False)}
-        oks: list[bool] = []
+        b = DiskBackend()
+        b.init(caches, cfg.device, None, None, os.path.join(directory, "metrics.bin"), n, L.block_bytes,
+               use_page_cache=mode == "pagecache", encrypt=DEFAULT_SEAL == "aes-gcm", io_threads=cfg.io_threads,
+               io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True, capacity_bytes=n * round_up(L.block_bytes, 4096))
         try:
-            for on in (True, False):
-                b = DiskBackend()
-                b.init(caches, cfg.device, None, None, os.path.join(directory, f"metrics-{on}.bin"), n,
-                       L.block_bytes, use_page_cache=mode == "pagecache", encrypt=DEFAULT_SEAL == "aes-gcm",
-                       io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True,
-                       capacity_bytes=n * round_up(L.block_bytes, 4096), collect_metrics=on)
-                backends[on] = b
-                _, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
-                oks.append(ok)
+            _, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
+            oks = [ok]
 
-            def load(b: DiskBackend) -> Timed:
+            def load() -> Timed:
                 poison(caches)
                 with self.profiled():
                     t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
@@ -349,13 +345,13 @@ class Bench:
 
             for i in range(cfg.metrics_pairs):
                 for on in (True, False) if i % 2 == 0 else (False, True):
-                    t = passes(cfg.case_seconds, lambda: load(backends[on]))
+                    b.collect_metrics = on
+                    t = passes(cfg.case_seconds, load)
                     rates[on].append(t.gib_s)
                     for f in ("nbytes", "seconds", "cpu_seconds"):
                         setattr(totals[on], f, getattr(totals[on], f) + getattr(t, f))
         finally:
-            for b in backends.values():
-                b.shutdown()
+            b.shutdown()
         ratios = [a / b for a, b in zip(rates[True], rates[False])]
         info = {"mode": mode, "seal": DEFAULT_SEAL, "blocks": n, "block_bytes": L.block_bytes, "pairs": len(ratios),
                 "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes}
