@@ -259,3 +259,16 @@ def test_metrics_count_what_the_disk_did_and_only_hits_that_served(make_engine, 
     # vLLM's metrics, composed: it counts every completed load block, failed or not.
     assert got["vllm:simple_kv_offload_load_blocks_total{}"] == 5
     assert got["vllm:simple_kv_offload_info{backend=disk,capacity_blocks=32,lazy_offload=false,page_cache=false}"] == 1
+    # And vLLM's periodic log line of the same payloads.
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    logging_ = KVConnectorLogging(eng.vllm_config.kv_transfer_config)
+    for st in eng.scheduler_stats:
+        if st.kv_connector_stats:
+            logging_.observe(st.kv_connector_stats)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    line = lines[0] + ","  # each item ends with a comma
+    assert len(lines) == 1
+    assert (f"vllm:kvoffload_hit_tokens_total={serving * BLOCK_SIZE}," in line) == (serving > 0)
+    assert "vllm:kvoffload_job_seconds:('load',)_count=1," in line and "vllm:simple_kv_offload_load_blocks_total=5" in line
