@@ -128,7 +128,8 @@ def test_metrics_group_times_loads_with_collection_on_and_off(capsys, tmp_path):
     assert d["collect"] is True and off["detail"]["collect"] is False and d["pairs"] == 3
     pairs = zip(d["gib_s_per_pair"], off["detail"]["gib_s_per_pair"])
     assert d["on_off"]["per_pair"] == pytest.approx([a / b for a, b in pairs], abs=1e-3)
-    assert d["on_off"]["min"] <= d["on_off"]["median"] <= d["on_off"]["max"]
+    for q in (d["on_off"], d["cpu_s_per_gib_on_off"]):
+        assert len(q["per_pair"]) == 3 and q["min"] <= q["median"] <= q["max"]
     (line,) = report.metrics_lines(out)
     assert line.startswith("metric collection, small pagecache load: on ") and "3 pairs" in line
 

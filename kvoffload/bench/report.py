@@ -134,10 +134,11 @@ def metrics_lines(result: dict) -> list[str]:
     for r in result["cases"]:
         d = r["detail"]
         if r["group"] == "metrics" and d.get("collect"):
-            q = d["on_off"]
+            q, c = d["on_off"], d["cpu_s_per_gib_on_off"]
             out.append(f"metric collection, {r['layout']} {d['mode']} load: on {r['gib_s_best']:.3f} GiB/s, off "
                        f"{r['ceiling_gib_s'] or 0:.3f} GiB/s over all passes; on/off per pair median {q['median']:.4f} "
-                       f"(min {q['min']:.4f}, max {q['max']:.4f}, {d['pairs']} pairs, order alternating)")
+                       f"(min {q['min']:.4f}, max {q['max']:.4f}, {d['pairs']} pairs, order alternating); "
+                       f"CPU s/GiB on/off median {c['median']:.4f} (min {c['min']:.4f}, max {c['max']:.4f})")
     return out
 
 

@@ -321,11 +321,14 @@ class Bench:
         one backend, stored once, then its loads timed with collection on and off in turn,
         the order alternating, --metrics-pairs times; each timing over --case-seconds. The
         same file, staging and threads for both, so only the collection differs. With it
-        on, the metrics are taken after every pass, as vLLM's worker does every step."""
+        on, the metrics are taken after every pass, as vLLM's worker does every step. The
+        process's CPU seconds per GiB are compared too: on a shared machine they move far
+        less than the rates."""
         cfg = self.cfg
         store_jobs, load_jobs = jobs
         n = sum(len(s) for s, _ in store_jobs)
         rates: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}  # process CPU seconds per GiB loaded
         totals = {on: Timed(0, 0.0, 0.0) for on in (True, False)}
         b = DiskBackend()
         b.init(caches, cfg.device, None, None, os.path.join(directory, "metrics.bin"), n, L.block_bytes,
@@ -348,11 +351,13 @@ class Bench:
                     b.collect_metrics = on
                     t = passes(cfg.case_seconds, load)
                     rates[on].append(t.gib_s)
+                    cpu[on].append(t.cpu_seconds / (t.nbytes / GiB))
                     for f in ("nbytes", "seconds", "cpu_seconds"):
                         setattr(totals[on], f, getattr(totals[on], f) + getattr(t, f))
         finally:
             b.shutdown()
         ratios = [a / b for a, b in zip(rates[True], rates[False])]
+        cpu_ratios = [a / b for a, b in zip(cpu[True], cpu[False])]
         info = {"mode": mode, "seal": DEFAULT_SEAL, "blocks": n, "block_bytes": L.block_bytes, "pairs": len(ratios),
                 "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes}
         prefix = f"{L.name} {mode} metrics"
@@ -360,11 +365,11 @@ class Bench:
                       {**info, "collect": False, "gib_s_per_pair": [round(r, 4) for r in rates[False]]}))
         self.add(Case(f"{prefix} on load", "metrics", L.name, totals[True], (f"{prefix} off load",), all(oks),
                       {**info, "collect": True, "gib_s_per_pair": [round(r, 4) for r in rates[True]],
-                       "on_off": {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
-                                  "max": round(max(ratios), 4), "per_pair": [round(r, 4) for r in ratios]}}))
+                       "on_off": _spread(ratios), "cpu_s_per_gib_on_off": _spread(cpu_ratios)}))
         self.log(f"  {prefix}: on {statistics.median(rates[True]):.3f} GiB/s, off {statistics.median(rates[False]):.3f}"
                  f" GiB/s (medians of {len(ratios)}); on/off median {statistics.median(ratios):.4f}, "
-                 f"min {min(ratios):.4f}, max {max(ratios):.4f}")
+                 f"min {min(ratios):.4f}, max {max(ratios):.4f}; CPU s/GiB on/off median "
+                 f"{statistics.median(cpu_ratios):.4f}, min {min(cpu_ratios):.4f}, max {max(cpu_ratios):.4f}")
 
     def dram(self, L: Layout, caches, ref, jobs) -> None:
         for streams in self.cfg.dram_streams:
@@ -494,6 +499,11 @@ class Bench:
             yield
         finally:
             self.prof.stop()
+
+
+def _spread(ratios: list[float]) -> dict:
+    return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4), "per_pair": [round(r, 4) for r in ratios]}
 
 
 # --- profiling --------------------------------------------------------------------
