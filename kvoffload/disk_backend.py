@@ -218,7 +218,8 @@ class DiskBackend:
         if run is None:
             return
         alive = run.stop(self.clock() + self._join_timeout, self.clock)
-        logger.info("kvoffload run summary: %s", run.metrics.summary())
+        if run.metrics.info is not None:  # an init that failed moved nothing to sum up
+            logger.info("kvoffload run summary: %s", run.metrics.summary())
         if alive:
             # Closing the fd under a live pwritev would let the number be reused by
             # another file, which the late write would then corrupt. The run stays
