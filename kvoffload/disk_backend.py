@@ -26,6 +26,7 @@ from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.load_path import LoadLane
+from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
 from kvoffload.run import Run
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
@@ -165,7 +166,7 @@ class DiskBackend:
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
                      use_page_cache, num_disk_slots * RECORD_BYTES[seal.name] + staging)
         dev = device_impl if device_impl is not None else make_device(device)
-        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads)
+        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)))
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -181,6 +182,11 @@ class DiskBackend:
                 run.lanes[True].append(StoreLane(run, f, store_stream, rows))
                 run.lanes[False].append(LoadLane(run, f, load_stream, rows))
             run.start_threads(start_timeout)
+            run.metrics.info = {
+                "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
+                "staging_bytes": self._staging_bytes(run), "io_threads": threads, "paths": len(paths),
+                "seal": run.seal.name, "io": "page_cache" if use_page_cache else "o_direct",
+            }
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
@@ -234,6 +240,8 @@ class DiskBackend:
         if run is None:
             return
         alive = run.stop(self.clock() + self._join_timeout, self.clock)
+        if run.metrics.info is not None:  # an init that failed moved nothing to sum up
+            logger.info("kvoffload run summary: %s", run.metrics.summary())
         if alive:
             # Closing the fd under a live pwritev would let the number be reused by
             # another file, which the late write would then corrupt. The run stays
@@ -261,6 +269,18 @@ class DiskBackend:
         return run is None or run.closing
 
     @property
+    def collect_metrics(self) -> bool:
+        """Whether the run counts for ``take_metrics`` and the shutdown summary (on by default).
+        Switched off, nothing is counted until it is on again: the bench's comparison."""
+        return self._require_run().metrics.enabled
+
+    @collect_metrics.setter
+    def collect_metrics(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"collect_metrics must be a bool, got {on!r}")
+        self._require_run().metrics.enabled = on
+
+    @property
     def files(self) -> list[SlotFile]:
         """The open slot files (one per disk path)."""
         return list(self._require_run().files)
@@ -273,10 +293,26 @@ class DiskBackend:
         run = self._require_run()
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
-                     "staging_bytes": sum(b.numel() * b.element_size() for b in run.pinned),
+                     "staging_bytes": self._staging_bytes(run),
                      "direct_io": {lane: all(x.direct for x in run.lanes[is_store])
                                    for lane, is_store in (("store", True), ("load", False))}}
         return {**moved, "stage_seconds": run.stage_seconds()}
+
+    def take_metrics(self) -> Optional[dict[str, Any]]:
+        """What changed since the last call, as vLLM's stats payload (``kvoffload.metrics``:
+        blocks and bytes moved, failures by cause, latency histograms, queued units, busy
+        IO seconds; the tier's facts once). None when nothing changed or collection is off."""
+        run = self._run
+        if run is None or not run.metrics.enabled:
+            return None
+        busy = {d: sum(sec for stage, sec in stages.items() if stage != "wait")
+                for d, stages in run.stage_seconds().items()}
+        queued = {(lane.direction, lane.path): lane.queue.qsize() for lanes in run.lanes.values() for lane in lanes}
+        return run.metrics.take(queued, busy)
+
+    @staticmethod
+    def _staging_bytes(run: Run) -> int:
+        return sum(b.numel() * b.element_size() for b in run.pinned)
 
     def _require_run(self) -> Run:
         run = self._run

@@ -91,6 +91,7 @@ class LoadLane(Lane):
         records = [run.records[s] for s in unit.slots]
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, r in enumerate(records) if r is None}
+        run.metrics.failed(False, "not_stored", len(failed))
         if self.direct:
             return self.load_into_blocks(unit, records, failed, clock), None
         host = run.host_blocks
@@ -112,6 +113,7 @@ class LoadLane(Lane):
             return failed, None
         with run.copy_cond:
             if run.closing:  # released from a hang after shutdown: the blocks are not ours
+                run.metrics.failed(False, "closing", len(good))
                 return set(range(len(unit.slots))), None
             run.copies += 1
         try:
@@ -189,6 +191,7 @@ class LoadLane(Lane):
                 run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
                                 unit.slots[j], f.path, run.seal.name)
                 failed.add(j)
+        run.metrics.failed(False, "integrity", len(failed))
         return failed
 
     def end_copy(self) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from kvoffload.device import BlockLayout, Device, HostDevice, alloc_host
 from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
+from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import SlotFile
 from kvoffload.slot_seal import TAG_BYTES, SlotSeal
@@ -53,6 +54,7 @@ class Job:
     job_id: int = -1
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    launched: float = field(default_factory=time.perf_counter)  # for the job latency metric
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Unit:
     slots: list[int]  # global slot ids, same order
     local: list[int]  # slot index inside this lane's file
     wait_event: Any = None
+    io_seconds: float = 0.0  # in its pwritev/preadv calls, for the per-unit latency metric
 
 
 class RateLimitedLog:
@@ -117,6 +120,7 @@ class Lane:
         self.file = file
         self.stream = stream
         self.rows = rows  # blocks per unit
+        self.path = run.files.index(file)  # the disk path's index: the metrics' label
         self.queue: queue.SimpleQueue[Optional[Unit]] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
         self.clocks: list[StageClock] = []  # one per thread
@@ -191,24 +195,32 @@ class Lane:
         f = self.file
         size = f.slot_bytes
         call = self.run.osc.pwritev if self.direction == "store" else self.run.osc.preadv
+        t0 = time.perf_counter()
         try:
             done = call(f.fd, span(j0, j1), unit.local[j0] * size)
             error: Any = f"short {self.direction}: {done} of {(j1 - j0) * size} bytes"
         except OSError as e:
             done, error = 0, e
         if done == (j1 - j0) * size:
+            unit.io_seconds += time.perf_counter() - t0
             return set()
         if j1 - j0 == 1:
             failed = {j0}
+            raised = int(isinstance(error, OSError))
         else:
-            failed = set()
+            failed, raised = set(), 0
             for j in range(j0 + done // size, j1):  # a short transfer still moved the slots before
                 try:
                     one = call(f.fd, span(j, j + 1), unit.local[j] * size)
                 except OSError as e:
                     one, error = 0, e
+                    raised += 1
                 if one != size:
                     failed.add(j)
+        unit.io_seconds += time.perf_counter() - t0
+        is_store = self.direction == "store"
+        self.run.metrics.failed(is_store, "io_error", raised)
+        self.run.metrics.failed(is_store, "short", len(failed) - raised)
         if failed:
             self.run.log.warning(
                 f"{self.direction} error", "kvoffload: %s of slots %s of %s failed: %s",
@@ -219,6 +231,8 @@ class Lane:
     def refuse_if_closing(self, unit: Unit) -> bool:
         """A unit dequeued after shutdown began or the device failed ends as failed, without IO."""
         if self.run.closing or self.run.fatal is not None:
+            self.run.metrics.failed(self.direction == "store", "closing" if self.run.fatal is None else "device",
+                                    len(unit.slots))
             self.finish(unit, set(range(len(unit.slots))))
             return True
         return False
@@ -228,6 +242,8 @@ class Lane:
         run = self.run
         if failed:
             run.record_failures(self.direction == "store", unit, failed)
+        run.metrics.unit_done(self.direction == "store", self.path, len(unit.slots) - len(failed), self.file.slot_bytes,
+                              unit.io_seconds)
         job = unit.job
         with job.lock:
             job.pending -= 1
@@ -241,7 +257,7 @@ class Run:
     """Everything one ``init`` creates; ``stop``/``close`` retire it as a whole."""
 
     def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
-                 report_load_errors: bool, threads_per_lane: int) -> None:
+                 report_load_errors: bool, threads_per_lane: int, metrics: IoMetrics) -> None:
         self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
         # Host-resident blocks (HostDevice) are sealed from and opened into directly,
         # and, where a lane's file allows, read into and written from (Lane.direct).
@@ -274,6 +290,7 @@ class Run:
         self.bytes_written = 0
         self.bytes_read = 0
         self.log = RateLimitedLog()
+        self.metrics = metrics
 
     # -- start ------------------------------------------------------------------
 
@@ -340,6 +357,7 @@ class Run:
                 # Registered before any unit is queued: whatever happens from here on
                 # (an interrupt, a shutdown in another thread), shutdown ends it.
                 self.open_jobs[job.job_id] = job
+            self.metrics.queued(is_store, lanes, queues)
             if not units:  # an empty job
                 self.end_job(job, failed=False)
             # Every unit in one C-level loop, counted in the same line: an interrupt
@@ -374,6 +392,8 @@ class Run:
                 "to recompute failed loads instead"
             )
         if job.event.complete(ok=not failed, error=error):
+            # Before the job leaves open_jobs: once none is open, every latency is counted.
+            self.metrics.job_done(job.is_store, time.perf_counter() - job.launched)
             with self.lock:
                 self.open_jobs.pop(job.job_id, None)
 
@@ -381,6 +401,7 @@ class Run:
         """A device failure: recorded once, then every open job ends carrying it."""
         err = BackendFatalError(f"{lane.direction} to {lane.file.path} failed on the device: {exc!r}")
         err.__cause__ = exc
+        self.metrics.failed(lane.direction == "store", "device", len(unit.slots))
         with self.lock:
             if self.fatal is None:
                 self.fatal = err

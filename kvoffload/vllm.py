@@ -22,6 +22,10 @@ What changes against vLLM's own connector (same keys, same behaviour otherwise):
   (``KvoffloadWorkerMetadata``, aggregated over ranks), never through shared
   Python objects: in vLLM the scheduler and the workers are separate processes;
 - per-rank files are named by DP rank and global rank, not ``device.index``;
+- vLLM's ``vllm:simple_kv_offload_*`` metrics are joined by kvoffload's own
+  (``vllm:kvoffload_*``, ``kvoffload.metrics``): what each rank's disk did, summed
+  over ranks in vLLM's stats payload, and the hits that really served (a hit whose
+  load failed counts as recomputed, not as a hit);
 - scheduler and ranks size the pool with one rule (``config.num_slots`` on the
   padded slot size), and every rank checks the scheduler's count against its own.
   vLLM 0.32 has no ``num_cpu_blocks`` key, so the scheduler is handed the byte
@@ -38,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvoffload import metrics
 from kvoffload.config import OffloadConfig, rank_disk_path
 from kvoffload.os_calls import OsCalls
 from kvoffload.vllm_version import SUPPORTED_TEXT, check_vllm
@@ -48,7 +53,7 @@ _CLASSES: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("KvoffloadConnector", "KvoffloadWorker", "KvoffloadWorkerMetadata"):
+    if name in ("KvoffloadConnector", "KvoffloadWorker", "KvoffloadWorkerMetadata", "KvoffloadStats"):
         if not _CLASSES:
             _build_connector_class()
         return _CLASSES[name]
@@ -189,8 +194,10 @@ def _build_connector_class() -> type:
         import vllm
         from vllm.distributed.kv_transfer.kv_connector.v1 import simple_cpu_offload_connector as scc
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+        from vllm.v1.simple_kv_offload.metrics import SimpleCPUOffloadPromMetrics, SimpleCPUOffloadStats
         from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
     except ImportError as e:
         raise ImportError(f"kvoffload.vllm: the installed vLLM lacks simple_kv_offload ({e}); "
@@ -226,6 +233,37 @@ def _build_connector_class() -> type:
                 failed_load_slots=sorted(set(self.failed_load_slots)
                                          | set(getattr(other, "failed_load_slots", ()))),
             )
+
+    class KvoffloadStats(SimpleCPUOffloadStats):
+        """vLLM's simple-offload stats payload with kvoffload's metrics in it (one format,
+        ``kvoffload.metrics``): histograms are lists of samples, and kvoffload's gauges
+        merge over ranks by the larger value."""
+
+        def aggregate(self, other):
+            if not other.is_empty():
+                metrics.merge(self.data, other.data)
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            return metrics.reduce(self.data)
+
+    class KvoffloadPromMetrics(KVConnectorPromMetrics):
+        """vLLM's simple-offload Prometheus metrics, and kvoffload's beside them."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._simple = SimpleCPUOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._ours = metrics.PromExporter(
+                {"counter": self._counter_cls, "gauge": self._gauge_cls, "histogram": self._histogram_cls},
+                labelnames, per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            types, data = transfer_stats_data.get("types", {}), transfer_stats_data.get("data", {})
+            ours = {k: v for k, v in data.items() if k in metrics.METRICS}
+            # vLLM's observer refuses names it does not know: it gets only its own.
+            self._simple.observe({"types": types, "data": {k: v for k, v in data.items() if k not in ours}},
+                                 engine_idx)
+            self._ours.observe({"types": types, "data": ours}, engine_idx)
 
     class KvoffloadWorker(SimpleCPUOffloadWorker):
         """vLLM's worker with kvoffload's backend, sizing rule and rank naming in disk mode."""
@@ -410,6 +448,10 @@ def _build_connector_class() -> type:
             self._store_reports: Counter[int] = Counter()
             self._failed_stores: dict[int, set[int]] = {}
             self._world_size = vllm_config.parallel_config.world_size
+            # Hits counted when their load ends, and the slots reported failed (by any
+            # rank) while a load holding them is still in flight.
+            self._hits = metrics.HitMetrics()
+            self._failed_loading: set[int] = set()
             if cfg.disk_mode and self.worker_handler is not None:
                 self.worker_handler = KvoffloadWorker(
                     vllm_config, kv_cache_config,
@@ -445,6 +487,8 @@ def _build_connector_class() -> type:
             """
             mgr = self.scheduler_manager
             meta = connector_output.kv_connector_worker_meta
+            if mgr is not None and self.offload.disk_mode:
+                self._count_hits(mgr, connector_output.finished_recving, getattr(meta, "failed_load_slots", ()))
             if mgr is None or not isinstance(meta, KvoffloadWorkerMetadata):
                 super().update_connector_output(connector_output)
                 return
@@ -461,6 +505,52 @@ def _build_connector_class() -> type:
                     if failed:
                         _drop_slots(mgr.cpu_block_pool, failed)
 
+        def _count_hits(self, mgr, finished_recving, failed_load_slots) -> None:
+            """Each finished load's tokens: served up to its first failed block, recomputed from
+            there (vLLM's rule). Read before vLLM's bookkeeping forgets the loads."""
+            self._failed_loading.update(failed_load_slots)
+            loads, done = mgr._reqs_to_load, set(finished_recving or ())
+            for req_id in done:
+                state = loads.get(req_id)
+                if state is not None and state.load_event is not None:
+                    self._hits.load_ended(*metrics.split_load(state.transfer_meta.cpu_block_ids,
+                                                              self._failed_loading, mgr.block_size))
+            if self._failed_loading:
+                # Kept only while a load in flight holds the slot (another rank may report later).
+                held = {s for req_id, st in loads.items() if req_id not in done for s in st.transfer_meta.cpu_block_ids}
+                self._failed_loading &= held
+
+        def get_kv_connector_stats(self):
+            """vLLM's simple-offload stats (scheduler side) and kvoffload's: hits and slots on
+            the scheduler, the disk's counters on each worker (vLLM sums them over ranks)."""
+            parts = []
+            base = super().get_kv_connector_stats()
+            if base is not None:
+                parts.append(base.data)
+            mgr = getattr(self, "scheduler_manager", None)
+            if mgr is not None and self.offload.disk_mode:
+                pool = mgr.cpu_block_pool
+                # Block 0 of vLLM's pool is its null block: it never holds KV.
+                parts.append(self._hits.take(len(pool.cached_block_hash_to_block), mgr.num_cpu_blocks - 1))
+            backend = self._disk_backend()
+            if backend is not None:
+                parts.append(backend.take_metrics())
+            parts = [p for p in parts if p]
+            if not parts:
+                return None
+            stats = KvoffloadStats()
+            for p in parts:
+                metrics.merge(stats.data, p)
+            return stats
+
+        @classmethod
+        def build_kv_connector_stats(cls, data=None):
+            return KvoffloadStats(data=data) if data is not None else KvoffloadStats()
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            return KvoffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
         def shutdown(self) -> None:
             backend = self._disk_backend()
             if backend is not None:
@@ -469,7 +559,7 @@ def _build_connector_class() -> type:
 
     # Module-level names, so pickle (vLLM ships worker metadata between processes)
     # finds the classes through this module's __getattr__.
-    for cls in (KvoffloadConnector, KvoffloadWorker, KvoffloadWorkerMetadata):
+    for cls in (KvoffloadConnector, KvoffloadWorker, KvoffloadWorkerMetadata, KvoffloadStats):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
         _CLASSES[cls.__name__] = cls

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from kvoffload import metrics
 from kvoffload.budget import POOL_SLOT_BYTES, RECORD_BYTES
 from kvoffload.budget import check as budget_check
 from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, _bool, _int, num_slots, parse_size
@@ -168,11 +169,13 @@ class SlotTier:
     """Chunks of the CPU primary on kvoffload slot files: lookup, store, load, poll.
 
     ``primary`` is the primary tier's memory, ``[num_chunks, bytes_per_chunk]`` (vLLM's
-    ``primary_kv_view``). Keys are any hashables (vLLM's ``OffloadKey``).
+    ``primary_kv_view``). Keys are any hashables (vLLM's ``OffloadKey``). ``tokens_of``
+    gives the prompt tokens a key's chunk holds, for the hit metrics (None: not counted).
     """
 
     def __init__(self, primary: memoryview, cfg: TierConfig, *, os_calls: Optional[OsCalls] = None,
-                 join_timeout: Optional[float] = None) -> None:
+                 join_timeout: Optional[float] = None,
+                 tokens_of: Optional[Callable[[Hashable], int]] = None) -> None:
         if not isinstance(primary, memoryview):
             raise TypeError(f"{TIER_TYPE}: primary must be a memoryview, got {type(primary).__name__}")
         if not isinstance(cfg, TierConfig):
@@ -212,6 +215,8 @@ class SlotTier:
         # Failures the backend reported for jobs not yet seen done (kept until they are).
         self._load_errors: set[int] = set()
         self._failed_slots: set[int] = set()
+        self._tokens_of = tokens_of
+        self.hits = metrics.HitMetrics()
 
     @property
     def num_slots(self) -> int:
@@ -283,6 +288,15 @@ class SlotTier:
             # primary) until it ends; it makes no copy into the primary after that.
             logger.warning("kvoffload tier: an IO thread outlived shutdown; its view of the primary stays")
 
+    def take_metrics(self) -> Optional[dict[str, Any]]:
+        """The backend's metrics and the tier's (hits, slots) since the last call, as vLLM's
+        stats payload (``kvoffload.metrics``); None when nothing changed."""
+        out = metrics.new_payload()
+        for p in (self.backend.take_metrics(), self.hits.take(self.pool.num_cached(), self.pool.num_slots)):
+            if p:
+                metrics.merge(out, p)
+        return out if out["data"] else None
+
     def _chunk_map(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> dict[Hashable, int]:
         """Each key's primary row; a malformed job is refused before the pool is touched."""
         if job_id in self._jobs:
@@ -323,6 +337,10 @@ class SlotTier:
         complete = self.pool.complete_store if job.is_store else self.pool.complete_load
         complete(good_keys, True)
         complete(bad_keys, False)  # a failed load drops the key: the slot holds bad bytes
+        if not job.is_store and self._tokens_of is not None:
+            # Promoted chunks served; the others are misses to vLLM, which recomputes them.
+            tokens = self._tokens_of
+            self.hits.load_ended(sum(map(tokens, good_keys)), sum(map(tokens, bad_keys + list(job.missing))))
         success = not bad_keys and not job.missing
         if bad_keys:
             logger.warning("kvoffload tier: %s job %d: %d of %d chunk(s) failed", "store" if job.is_store else
@@ -348,7 +366,11 @@ def _build_tier_class() -> type:
     check_vllm("kvoffload.vllm_tier")
     try:
         import vllm
-        from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, RequestOffloadingContext
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+        from vllm.v1.kv_offload.base import (
+            Locality, LookupResult, Medium, OffloadingCounterMetadata, OffloadingGaugeMetadata,
+            OffloadingHistogramMetadata, RequestOffloadingContext, get_offload_group_idx,
+        )
         from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
     except ImportError as e:
         raise ImportError(f"kvoffload.vllm_tier: the installed vLLM lacks the tiering interface ({e}); "
@@ -366,7 +388,10 @@ def _build_tier_class() -> type:
             super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
             cfg = TierConfig.from_tier_config(tier_config)
             self.locality = Locality(cfg.locality) if cfg.locality else None
-            self.slot_tier = SlotTier(primary_kv_view, cfg, os_calls=os_calls)
+            # A chunk is blocks_per_chunk blocks of its KV cache group (the key's last 4 bytes).
+            per_group = [n * offloading_spec.blocks_per_chunk for n in offloading_spec.tokens_per_block]
+            self.slot_tier = SlotTier(primary_kv_view, cfg, os_calls=os_calls,
+                                      tokens_of=lambda key: per_group[get_offload_group_idx(key)])
             logger.info("kvoffload tier %r: %d slots of %d B over %s", tier_type, self.slot_tier.num_slots,
                         self.block_size_bytes, ", ".join(cfg.disk_paths))
 
@@ -397,6 +422,17 @@ def _build_tier_class() -> type:
 
         def shutdown(self) -> None:
             self.slot_tier.close()
+
+        @classmethod
+        def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+            """kvoffload's metrics (``kvoffload.metrics``) for vLLM's offloading Prometheus metrics."""
+            return metrics.definitions(OffloadingCounterMetadata, OffloadingGaugeMetadata,
+                                       OffloadingHistogramMetadata)
+
+        def get_stats(self) -> Any:
+            """What the disk tier did since the last call (vLLM polls it every scheduler step)."""
+            payload = self.slot_tier.take_metrics()
+            return OffloadingConnectorStats(data=payload) if payload else None
 
     KvoffloadTier.__qualname__ = TIER_TYPE
     return KvoffloadTier

@@ -5,8 +5,10 @@ builds ``vllm.LLM`` with the engine core and the worker in that one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), so the faults the spec
 names reach the worker through kvoffload's OS seam (``KvoffloadWorker.os_calls``)
 and the test reads back what happened: every request's output and cached tokens,
-vLLM's own metrics, every load and store job with its slots, vLLM's recovery log
-lines, and what is left in the disk directory once the engine is gone. A
+vLLM's metrics (kvoffload's among them, read once every job has been reported),
+every load and store job with its slots, vLLM's recovery log lines, kvoffload's
+summary line at shutdown, and what is left in the disk directory once the engine
+is gone. A
 subprocess per engine keeps vLLM's CPU worker, which replaces ``torch.Event`` and
 ``torch.cuda.Stream`` process-wide, out of pytest's process.
 
@@ -146,6 +148,7 @@ class EngineResult:
     left_in_dir: list[str]  # what the disk directory holds after the engine is gone
     open_fds_into_dir: list[str]  # fds of this process still pointing into it
     seconds: float
+    summaries: list[str] = field(default_factory=list)  # kvoffload's "run summary" lines at shutdown
 
 
 def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> EngineResult:
@@ -180,11 +183,13 @@ class _Records(logging.Handler):
 
     RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled \((\d+) tokens affected\)")
     KVO_FAILED = re.compile(r"kvoffload: (\d+) block\(s\) failed to load from disk")
+    SUMMARY = re.compile(r"kvoffload run summary: (.*)")
 
     def __init__(self) -> None:
         super().__init__()
         self.recovered: list[list[int]] = []
         self.failed_loads = 0
+        self.summaries: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -192,6 +197,8 @@ class _Records(logging.Handler):
             self.recovered.append([int(m.group(1)), int(m.group(2))])
         if m := self.KVO_FAILED.search(msg):
             self.failed_loads += int(m.group(1))
+        if m := self.SUMMARY.search(msg):
+            self.summaries.append(m.group(1))
 
 
 def _engine_main(spec: EngineSpec, out_file: Path) -> None:
@@ -245,6 +252,8 @@ def _engine_main(spec: EngineSpec, out_file: Path) -> None:
         outputs.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens or 0 for o in outs])
         sources.append([split.pop(o.request_id) for o in outs])
+    if backend is not None:
+        _report_every_job(llm, backend)
     metrics = _metrics(llm)
     _shutdown(llm)
     del llm
@@ -253,7 +262,7 @@ def _engine_main(spec: EngineSpec, out_file: Path) -> None:
         events=getattr(backend, "kvo_events", []),
         recovered=records.recovered, kvoffload_failed_loads=records.failed_loads,
         faults_fired=dict(osc.fired), left_in_dir=sorted(os.listdir(spec.disk_dir)),
-        open_fds_into_dir=_fds_into(spec.disk_dir), seconds=time.monotonic() - t0,
+        open_fds_into_dir=_fds_into(spec.disk_dir), seconds=time.monotonic() - t0, summaries=records.summaries,
     )
     out_file.write_text(json.dumps(asdict(result)))
 
@@ -310,6 +319,22 @@ def _spy_on_backend() -> Any:
     return backend
 
 
+def _report_every_job(llm: Any, backend: Any, timeout: float = 60.0) -> None:
+    """Wait until the backend has no job open (stores of the last round too; a job's
+    counts are in before it leaves), then run one request shorter than a block (no hit,
+    nothing stored): its step carries the last counts into vLLM's metrics."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    deadline = time.monotonic() + timeout
+    while backend._run.open_jobs:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"backend jobs still open after {timeout} s")
+        time.sleep(0.01)
+    llm.generate([TokensPrompt(prompt_token_ids=[FIRST_WORD] * (BLOCK_SIZE // 2))],
+                 SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+
 def _flip_a_byte_in_every_written_slot(backend: Any, tamper_cls: Any) -> None:
     """One byte of each slot written so far, flipped in the file itself (not in the read)."""
     (slot_file,) = backend._run.files
@@ -320,13 +345,15 @@ def _flip_a_byte_in_every_written_slot(backend: Any, tamper_cls: Any) -> None:
 
 
 def _metrics(llm: Any) -> dict[str, float]:
+    """vLLM's counters and gauges, "name{label=value,...}" -> value (counters without their
+    _total), and each histogram as name_count and name_sum."""
     out = {}
     for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        if value is None:
-            continue
         labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
-        out[f"{m.name}{{{labels}}}" if labels else m.name] = float(value)
+        values = {"_count": m.count, "_sum": m.sum} if hasattr(m, "buckets") else {"": getattr(m, "value", None)}
+        for suffix, value in values.items():
+            if value is not None:
+                out[f"{m.name}{suffix}{{{labels}}}" if labels else f"{m.name}{suffix}"] = float(value)
     return out
 
 

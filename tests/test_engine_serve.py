@@ -113,6 +113,12 @@ def test_vllm_serve_over_http_equals_offline_and_leaves_nothing(tmp_path, model,
     disk_hits = [line for line in metrics.splitlines()
                  if line.startswith("vllm:prompt_tokens_cached_by_source_total") and 'source="disk"' in line]
     assert disk_hits and float(disk_hits[0].split()[-1]) > 0, disk_hits
+    # kvoffload's own metrics crossed vLLM's processes too (worker, engine core, API server).
+    ours = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith(("vllm:kvoffload_hit_tokens_total", "vllm:kvoffload_blocks_total"))
+            and ('direction="load"' in line or "hit_tokens" in line)}
+    assert ours["vllm:kvoffload_hit_tokens_total"] == float(disk_hits[0].split()[-1]), ours
+    assert ours["vllm:kvoffload_blocks_total"] * BLOCK_SIZE == ours["vllm:kvoffload_hit_tokens_total"], ours
     # The server is gone, and with it every trace of the tier.
     deadline = time.monotonic() + 30
     while processes_in_group(proc.pid) and time.monotonic() < deadline:

@@ -17,7 +17,8 @@ pytest.importorskip("vllm")
 
 import kvoffload.vllm as kvv  # noqa: E402
 from faults import Fault, FaultyOsCalls  # noqa: E402
-from tests.vllm_harness import BLOCK_SIZE, CpuEngine, EngineSpec, expected_output, prompt  # noqa: E402
+from tests.vllm_harness import (BLOCK_SIZE, CpuEngine, EngineSpec, expected_output, prom_registry,  # noqa: E402
+                                prom_samples, prompt, slot_bytes)
 
 FILE_MODES = [pytest.param(False, id="o_direct"), pytest.param(True, id="page_cache")]
 SHARED = prompt(1, 5 * BLOCK_SIZE)  # the shared prefix: 5 full blocks
@@ -184,3 +185,90 @@ def test_scheduler_pool_is_the_ranks_slot_count(make_engine, use_page_cache, num
 def test_num_cpu_blocks_beyond_the_budget_is_refused(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"num_cpu_blocks=33 exceeds the 32 disk slots that disk_capacity_bytes="):
         CpuEngine(tmp_path, monkeypatch, EngineSpec(disk_slots=32, extra={"num_cpu_blocks": 33}))
+
+
+def scrape(eng: CpuEngine) -> dict[str, float]:
+    """What /metrics would show: every step's SchedulerStats, as the frontend decoded them,
+    into the connector's own Prometheus metrics (``build_prom_metrics``)."""
+    types, registry = prom_registry()
+    prom = kvv.KvoffloadConnector.build_prom_metrics(eng.vllm_config, types, ["engine"], {0: ["0"]})
+    for st in eng.scheduler_stats:
+        if st.kv_connector_stats:
+            prom.observe(st.kv_connector_stats, 0)
+    return prom_samples(registry)
+
+
+def disk_hits_by_vllm(eng: CpuEngine) -> int:
+    """vLLM's own count behind vllm:prompt_tokens_cached_by_source{source="disk"}."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    return sum(st.connector_prefix_cache_stats.hits_by_source.get(CacheHitSource.DISK, 0)
+               for st in eng.scheduler_stats if st.connector_prefix_cache_stats is not None)
+
+
+# (fault on every read of b's 5 shared blocks, blocks that serve b, cause of the others)
+METRIC_FAULTS = [
+    pytest.param(None, 5, None, id="no_fault"),
+    pytest.param(Fault.error(), 0, "io_error", id="eio"),
+    pytest.param(Fault.short(0.5), 2, "short", id="short_read"),
+    # The first slot fails its tag; the 4 after it load, and vLLM recomputes them anyway.
+    pytest.param(Fault.bitflip(byte=4100, bit=3), 0, "integrity", id="corrupt"),
+]
+
+
+@pytest.mark.parametrize("fault, serving, cause", METRIC_FAULTS)
+def test_metrics_count_what_the_disk_did_and_only_hits_that_served(make_engine, faulty, fault, serving,
+                                                                   cause) -> None:
+    # Goal: through vLLM's stats path (worker stats merged with the scheduler's,
+    # msgpack to the frontend, the connector's Prometheus metrics), kvoffload's metrics
+    # equal what the test counts: blocks and bytes each way, failures by cause, one load
+    # job, and hits only for blocks that served b; vLLM's own simple-offload metrics are
+    # still there, and vLLM's disk-hit count (at lookup) includes the failed loads.
+    eng = make_engine(False, log_stats=True)
+    first_request_stored(eng)
+    if fault is not None:
+        faulty.fail_from("preadv", 1, fault)
+    tokens = SHARED + prompt(3, 20)
+    eng.add("b", tokens, MAX_TOKENS)
+    eng.run(max_steps=300)
+    faulty.clear()
+    eng.report_all()
+    got = scrape(eng)
+    loaded, failed = eng.stats["b"].load_slots, eng.failed_load_slots
+    assert len(loaded) == 5 and eng.stats["b"].loads == 1
+    assert got.get("vllm:kvoffload_hit_tokens_total{}", 0) == serving * BLOCK_SIZE
+    assert got.get("vllm:kvoffload_recomputed_tokens_total{}", 0) == (5 - serving) * BLOCK_SIZE
+    assert disk_hits_by_vllm(eng) == 5 * BLOCK_SIZE
+    failures = {k: v for k, v in got.items() if k.startswith("vllm:kvoffload_failed_blocks_total{")}
+    assert failures == ({} if cause is None else
+                        {f"vllm:kvoffload_failed_blocks_total{{cause={cause},direction=load}}": len(failed)})
+    slot = slot_bytes(False)
+    backend = eng.worker.worker_handler._backend
+    for direction, blocks in (("load", len(loaded) - len(failed)),
+                              ("store", backend.stats()["bytes_written"] // slot)):
+        assert got.get(f"vllm:kvoffload_blocks_total{{direction={direction},path=0}}", 0) == blocks
+        assert got.get(f"vllm:kvoffload_bytes_total{{direction={direction},path=0}}", 0) == blocks * slot
+    assert got["vllm:kvoffload_job_seconds_count{direction=load}"] == 1
+    assert got["vllm:kvoffload_unit_io_seconds_count{direction=load}"] == 1  # 5 blocks: one unit
+    assert got["vllm:kvoffload_io_busy_seconds_total{direction=load}"] > 0
+    pool = eng.scheduler.connector.scheduler_manager.cpu_block_pool
+    assert got["vllm:kvoffload_slots_used{}"] == len(pool.cached_block_hash_to_block) > 0
+    assert got["vllm:kvoffload_slots_used{}"] + got["vllm:kvoffload_slots_free{}"] == 32 - 1  # the null block
+    (info,) = [k for k in got if k.startswith("vllm:kvoffload_info{")]
+    assert "slots=32," in info and f"slot_bytes={slot}," in info and "io=o_direct" in info
+    # vLLM's metrics, composed: it counts every completed load block, failed or not.
+    assert got["vllm:simple_kv_offload_load_blocks_total{}"] == 5
+    assert got["vllm:simple_kv_offload_info{backend=disk,capacity_blocks=32,lazy_offload=false,page_cache=false}"] == 1
+    # And vLLM's periodic log line of the same payloads.
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    logging_ = KVConnectorLogging(eng.vllm_config.kv_transfer_config)
+    for st in eng.scheduler_stats:
+        if st.kv_connector_stats:
+            logging_.observe(st.kv_connector_stats)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    line = lines[0] + ","  # each item ends with a comma
+    assert len(lines) == 1
+    assert (f"vllm:kvoffload_hit_tokens_total={serving * BLOCK_SIZE}," in line) == (serving > 0)
+    assert "vllm:kvoffload_job_seconds:('load',)_count=1," in line and "vllm:simple_kv_offload_load_blocks_total=5" in line

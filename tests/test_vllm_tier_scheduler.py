@@ -48,6 +48,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from faults import Fault, FaultyOsCalls, wait_threads_gone  # noqa: E402
 from kvoffload.vllm_tier import KvoffloadTier  # noqa: E402
+from tests.vllm_harness import over_ipc, prom_registry, prom_samples  # noqa: E402
 
 BLOCK = 16  # tokens per block
 HEADS, HEAD = 1, 32  # float32 K and V: 4096 bytes a block, one page
@@ -159,9 +160,17 @@ class Engine:
         manager = self.scheduler.connector.connector_scheduler.manager
         (self.tier,) = manager.secondary_tiers
         self.tier_jobs: list = []  # every FinishedJob the tier reported to vLLM
+        self.load_keys: dict[int, int] = {}  # load job id -> keys it asked the tier for
+        self.scheduler_stats: list = []  # every step's SchedulerStats, as the frontend decodes them
         if isinstance(self.tier, KvoffloadTier):
-            poll = self.tier.slot_tier.poll
+            poll, submit_load = self.tier.slot_tier.poll, self.tier.slot_tier.submit_load
             self.tier.slot_tier.poll = lambda: self._record(poll())
+
+            def record_load(job_id, keys, chunk_ids):
+                self.load_keys[job_id] = len(keys)
+                submit_load(job_id, keys, chunk_ids)
+
+            self.tier.slot_tier.submit_load = record_load
         self.manager = manager
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK, sha256)
@@ -201,10 +210,12 @@ class Engine:
             req = self.scheduler.requests[rid]
             # A token is sampled once the whole prompt is computed; 1 keeps decoding.
             sampled.append([1] if req.num_computed_tokens >= req.num_prompt_tokens else [])
-        self.scheduler.update_from_output(out, ModelRunnerOutput(
+        outputs = self.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
                                                   kv_connector_worker_meta=worker_meta)))
+        self.scheduler_stats += [over_ipc(eco).scheduler_stats for eco in outputs.values()
+                                 if eco.scheduler_stats is not None]
 
     def _check_and_compute(self, scheduled: dict[str, int]) -> None:
         """Check that every token a scheduled request already has (computed before, or
@@ -389,3 +400,55 @@ def test_pending_work_drain_on_reset_and_shutdown(engine_factory) -> None:
 def test_bad_tier_config_fails_engine_start_with_the_key(engine_factory) -> None:
     with pytest.raises(ValueError, match=r"unknown key\(s\) 'disk_capacity' \(did you mean 'disk_capacity_bytes'\?\)"):
         engine_factory(gpu_blocks=24, cpu_chunks=12, disk_capacity="1MiB")
+
+
+@pytest.mark.parametrize("fault", [None, "eio", "bitflip"])
+def test_tier_metrics_reach_vllms_offloading_prometheus(engine_factory, fault) -> None:
+    # Goal: the tier's metrics travel vLLM's own tiering path (the tier's get_stats,
+    # polled every step and merged by TieringOffloadingManager, through vLLM's msgpack
+    # into OffloadingConnector's Prometheus metrics, declared by the tier's
+    # build_metric_definitions) and equal what the test counts: chunks and bytes each
+    # way, failures by cause, and hits only for the chunks promoted whole.
+    osc = FaultyOsCalls()
+    NEXT_OS_CALLS.append(osc)
+    e = engine_factory(gpu_blocks=24, cpu_chunks=12, tier=("FaultyKvoffloadTier", __name__))
+    a = to_disk_only(e)
+    if fault == "eio":
+        osc.fail_from("preadv", osc.calls["preadv"] + 1, Fault.error(errno.EIO))
+    elif fault == "bitflip":  # the first chunk read back fails its tag
+        osc.fail_nth("preadv", osc.calls["preadv"] + 1, Fault.bitflip(100, 1))
+    e.run(a)
+    osc.clear()
+    e.settle()
+    # The last jobs' latencies are counted as they leave the open jobs; one more step reports them.
+    while e.tier.slot_tier.backend._run.open_jobs:
+        time.sleep(0.001)
+    e.step()
+    types, registry = prom_registry()
+    prom = OffloadingConnector.build_prom_metrics(e.config, types, ["engine"], {0: ["0"]})
+    for st in e.scheduler_stats:
+        if st.kv_connector_stats:
+            prom.observe(st.kv_connector_stats, 0)
+    got = prom_samples(registry)
+    finished = {j.job_id: j for j in e.tier_jobs}
+    promoted = sum(n if finished[job].success else len(finished[job].successful_keys or ())
+                   for job, n in e.load_keys.items())
+    failed = sum(e.load_keys.values()) - promoted
+    assert (promoted > 0) == (fault != "eio") and (failed > 0) == (fault is not None)
+    assert got.get("vllm:kvoffload_hit_tokens_total{}", 0) == promoted * BLOCK
+    assert got.get("vllm:kvoffload_recomputed_tokens_total{}", 0) == failed * BLOCK
+    cause = {None: None, "eio": "io_error", "bitflip": "integrity"}[fault]
+    failures = {k: v for k, v in got.items() if k.startswith("vllm:kvoffload_failed_blocks_total{")}
+    assert failures == ({} if cause is None else
+                        {f"vllm:kvoffload_failed_blocks_total{{cause={cause},direction=load}}": failed})
+    assert got.get("vllm:kvoffload_blocks_total{direction=load,path=0}", 0) == promoted
+    stored = stats(e)["bytes_written"] // PAGE
+    assert got["vllm:kvoffload_blocks_total{direction=store,path=0}"] == stored
+    assert got["vllm:kvoffload_bytes_total{direction=store,path=0}"] == stored * PAGE
+    assert got["vllm:kvoffload_job_seconds_count{direction=load}"] == len(e.load_keys)
+    pool = e.tier.slot_tier.pool
+    assert got["vllm:kvoffload_slots_used{}"] == pool.num_cached() > 0
+    assert got["vllm:kvoffload_slots_used{}"] + got["vllm:kvoffload_slots_free{}"] == pool.num_slots
+    assert [k for k in got if k.startswith("vllm:kvoffload_info{")]
+    # vLLM's own tier metrics are still there beside them.
+    assert got.get("vllm:kv_offload_tiering_read_bytes_total{tier=1:FaultyKvoffloadTier}", 0) == promoted * PAGE

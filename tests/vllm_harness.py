@@ -40,9 +40,11 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin  # noqa: E402
 
@@ -189,6 +191,9 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config keys
     # "KvoffloadConnector", or vLLM's own "SimpleCPUOffloadConnector" (its stock worker)
     connector: str = "KvoffloadConnector"
+    # The scheduler makes SchedulerStats each step (CpuEngine.scheduler_stats), as with
+    # vLLM's stat loggers on.
+    log_stats: bool = False
 
 
 def slot_bytes(use_page_cache: bool) -> int:
@@ -240,7 +245,7 @@ class CpuEngine:
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK_SIZE, log_stats=False,
+            block_size=BLOCK_SIZE, log_stats=spec.log_stats,
         )
         hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -261,6 +266,8 @@ class CpuEngine:
         self.bad_loads: list[int] = []
         self.requests: dict[str, Request] = {}
         self.steps = 0
+        # Every step's SchedulerStats, as the frontend gets them (through vLLM's msgpack).
+        self.scheduler_stats: list[Any] = []
 
     # -- requests ---------------------------------------------------------------
 
@@ -307,7 +314,10 @@ class CpuEngine:
         self.unloadable.update(failed_loads)
         for slots in getattr(worker_meta, "failed_store_events", {}).values():
             self.unloadable.update(slots)
-        self.scheduler.update_from_output(out, runner_out)
+        outputs = self.scheduler.update_from_output(out, runner_out)
+        for eco in outputs.values():
+            if eco.scheduler_stats is not None:
+                self.scheduler_stats.append(over_ipc(eco).scheduler_stats)
         self.steps += 1
 
     def _execute(self, out: Any) -> ModelRunnerOutput:
@@ -355,6 +365,17 @@ class CpuEngine:
             time.sleep(0.001)
         raise AssertionError("stores still in flight")
 
+    def report_all(self, timeout: float = 10.0) -> None:
+        """Stores drained, every job of the worker's backend over (its latencies counted),
+        then one more step, which carries the last counts into ``scheduler_stats``."""
+        self.drain_stores()
+        run = self.worker.worker_handler._backend._run
+        deadline = time.monotonic() + timeout
+        while run.open_jobs:
+            assert time.monotonic() < deadline, "backend jobs still open"
+            time.sleep(0.001)
+        self.step()
+
     def reset_gpu_prefix_cache(self) -> None:
         """Wait for stores (they hold GPU blocks), then empty the GPU prefix cache, so
         the next request can hit only the disk."""
@@ -368,6 +389,33 @@ class CpuEngine:
         backend = getattr(getattr(self.worker, "worker_handler", None), "_backend", None)
         if isinstance(backend, DiskBackend):
             backend.shutdown()
+
+
+def over_ipc(eco: EngineCoreOutputs) -> EngineCoreOutputs:
+    """What the frontend decodes of the engine core's output (vLLM's msgpack)."""
+    return MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(eco))
+
+
+def prom_registry() -> tuple[dict, Any]:
+    """vLLM's ``metric_types`` for ``build_prom_metrics``, bound to a private registry
+    (vLLM registers its classes in the process-wide one), and that registry."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+    return {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}, registry
+
+
+def prom_samples(registry: Any) -> dict[str, float]:
+    """Every sample of ``registry`` as "name{label=value,...}" -> value (labels sorted, the
+    engine label left out), as Prometheus would scrape it."""
+    out = {}
+    for metric in registry.collect():
+        for s in metric.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "engine")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
 
 
 def prompt(seed: int, n: int) -> list[int]:

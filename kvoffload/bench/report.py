@@ -128,6 +128,20 @@ def seal_lines(result: dict) -> list[str]:
     return out
 
 
+def metrics_lines(result: dict) -> list[str]:
+    """Load with kvoffload's metric collection on against off (--only metrics)."""
+    out = []
+    for r in result["cases"]:
+        d = r["detail"]
+        if r["group"] == "metrics" and d.get("collect"):
+            q, c = d["on_off"], d["cpu_s_per_gib_on_off"]
+            out.append(f"metric collection, {r['layout']} {d['mode']} load: on {r['gib_s_best']:.3f} GiB/s, off "
+                       f"{r['ceiling_gib_s'] or 0:.3f} GiB/s over all passes; on/off per pair median {q['median']:.4f} "
+                       f"(min {q['min']:.4f}, max {q['max']:.4f}, {d['pairs']} pairs, order alternating); "
+                       f"CPU s/GiB on/off median {c['median']:.4f} (min {c['min']:.4f}, max {c['max']:.4f})")
+    return out
+
+
 def full(result: dict) -> str:
     m, c = result["machine"], result["config"]
     fs = ", ".join(f"{d['path']} ({d['fs']})" for d in m["dirs"])
@@ -150,7 +164,7 @@ def full(result: dict) -> str:
         lines.append(f"LEFT BEHIND: {result['leftover_files']}")
     if result.get("interrupted"):
         lines.append(f"INTERRUPTED ({result['interrupted']}): only the cases measured before it")
-    lines += seal_lines(result)
+    lines += seal_lines(result) + metrics_lines(result)
     lines += ["", table(result["cases"])]
     return "\n".join(lines)
 
@@ -207,7 +221,7 @@ def compact(result: dict, title: str) -> list[str]:
         if rewrite:  # the first store into a fresh file against the overwrites after it
             parts.append(f"store/rewrite {rewrite[0]:.2f}")
         out.append(f"  {layout:<6} {kind:<32} " + " ".join(parts).rstrip())
-    out += ["  " + line for line in seal_lines(result)]
+    out += ["  " + line for line in seal_lines(result) + metrics_lines(result)]
     return out
 
 

@@ -4,7 +4,8 @@ In one run on one file system: raw O_DIRECT and buffered file IO at the block si
 (best of queue depths 1-16), pinned copies and host memcpy, the seals alone, then
 kvoffload's store, rewrite, cold load and warm load (O_DIRECT and page cache;
 slots encrypted, checksummed or neither), the DRAM backend, the device seam alone,
-and striping over several drives. Every case runs for at least --case-seconds;
+and striping over several drives; on request (``--only metrics``) the load rate with
+kvoffload's metric collection on and off. Every case runs for at least --case-seconds;
 every loaded byte is compared with what was stored. The table (or ``--json``) comes last.
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import pstats
+import statistics
 import shutil
 import sys
 import tempfile
@@ -60,9 +62,10 @@ HOST_BOUND_FORMULA = ("host-memory bound = 2/3 x host memcpy (a page-cache load 
 # How the backend seals slots by default (its init's encrypt=True).
 DEFAULT_SEAL = "aes-gcm"
 SEALS = tuple(SEAL_CLASSES)
-GROUPS = ("disk", "stripe", "dram", "seam", "seal", "engine")
-# The engine group (the backend beside a busy engine thread) runs only when asked for.
-DEFAULT_GROUPS = GROUPS[:-1]
+GROUPS = ("disk", "stripe", "dram", "seam", "seal", "engine", "metrics")
+# What a run measures unless --only says: the engine group (the backend beside a busy
+# engine thread) and the metric-collection cost run on request.
+DEFAULT_GROUPS = ("disk", "stripe", "dram", "seam", "seal")
 DISK_OPS = ("store", "rewrite", "cold-load", "warm-load")
 # Case sizes found by the probe stay within these.
 MIN_CASE_BYTES = 256 * MiB
@@ -108,6 +111,7 @@ class Config:
     engine_shares: tuple[float, ...] = engine.SHARES
     engine_max_repeats: int = 8
     engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
+    metrics_pairs: int = 5  # on/off load pairs of the metrics group
 
     @property
     def ceiling_seconds(self) -> float:
@@ -189,6 +193,9 @@ class Bench:
                                   f"{L.name} {mode} {seal}", "disk", 1, ceil, warm_load=True)
             if "dram" in cfg.only:
                 self.dram(L, caches, ref, jobs)
+            if "metrics" in cfg.only:
+                for mode in cfg.modes:
+                    self.metrics_cost(L, caches, ref, work[0], mode, jobs)
             if "stripe" in cfg.only and stripe_here:
                 self.stripe(L, caches, ref, work, jobs, n, slot, ceil)
         finally:
@@ -316,6 +323,61 @@ class Bench:
         finally:
             if backend is not None:
                 backend.shutdown()
+
+    def metrics_cost(self, L: Layout, caches, ref, directory: str, mode: str, jobs) -> None:
+        """Load throughput with metric collection on and off (``DiskBackend.collect_metrics``):
+        one backend, stored once, then its loads timed with collection on and off in turn,
+        the order alternating, --metrics-pairs times; each timing over --case-seconds. The
+        same file, staging and threads for both, so only the collection differs. With it
+        on, the metrics are taken after every pass, as vLLM's worker does every step. The
+        process's CPU seconds per GiB are compared too: on a shared machine they move far
+        less than the rates."""
+        cfg = self.cfg
+        store_jobs, load_jobs = jobs
+        n = sum(len(s) for s, _ in store_jobs)
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}  # process CPU seconds per GiB loaded
+        totals = {on: Timed(0, 0.0, 0.0) for on in (True, False)}
+        b = DiskBackend()
+        b.init(caches, cfg.device, None, None, os.path.join(directory, "metrics.bin"), n, L.block_bytes,
+               use_page_cache=mode == "pagecache", encrypt=DEFAULT_SEAL == "aes-gcm", io_threads=cfg.io_threads,
+               io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True, capacity_bytes=n * round_up(L.block_bytes, 4096))
+        try:
+            _, ok = run_jobs(b, store_jobs, True, cfg.device, L.block_bytes)
+            oks = [ok]
+
+            def load() -> Timed:
+                poison(caches)
+                with self.profiled():
+                    t, ok = run_jobs(b, load_jobs, False, cfg.device, L.block_bytes)
+                b.take_metrics()
+                oks.append(ok and not b.get_block_ids_with_load_errors() and verify(caches, ref))
+                return t
+
+            for i in range(cfg.metrics_pairs):
+                for on in (True, False) if i % 2 == 0 else (False, True):
+                    b.collect_metrics = on
+                    t = passes(cfg.case_seconds, load)
+                    rates[on].append(t.gib_s)
+                    cpu[on].append(t.cpu_seconds / (t.nbytes / GiB))
+                    for f in ("nbytes", "seconds", "cpu_seconds"):
+                        setattr(totals[on], f, getattr(totals[on], f) + getattr(t, f))
+        finally:
+            b.shutdown()
+        ratios = [a / b for a, b in zip(rates[True], rates[False])]
+        cpu_ratios = [a / b for a, b in zip(cpu[True], cpu[False])]
+        info = {"mode": mode, "seal": DEFAULT_SEAL, "blocks": n, "block_bytes": L.block_bytes, "pairs": len(ratios),
+                "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes}
+        prefix = f"{L.name} {mode} metrics"
+        self.add(Case(f"{prefix} off load", "metrics", L.name, totals[False], (), all(oks),
+                      {**info, "collect": False, "gib_s_per_pair": [round(r, 4) for r in rates[False]]}))
+        self.add(Case(f"{prefix} on load", "metrics", L.name, totals[True], (f"{prefix} off load",), all(oks),
+                      {**info, "collect": True, "gib_s_per_pair": [round(r, 4) for r in rates[True]],
+                       "on_off": _spread(ratios), "cpu_s_per_gib_on_off": _spread(cpu_ratios)}))
+        self.log(f"  {prefix}: on {statistics.median(rates[True]):.3f} GiB/s, off {statistics.median(rates[False]):.3f}"
+                 f" GiB/s (medians of {len(ratios)}); on/off median {statistics.median(ratios):.4f}, "
+                 f"min {min(ratios):.4f}, max {max(ratios):.4f}; CPU s/GiB on/off median "
+                 f"{statistics.median(cpu_ratios):.4f}, min {min(cpu_ratios):.4f}, max {max(cpu_ratios):.4f}")
 
     def dram(self, L: Layout, caches, ref, jobs) -> None:
         for streams in self.cfg.dram_streams:
@@ -453,6 +515,11 @@ class Bench:
             yield
         finally:
             self.prof.stop()
+
+
+def _spread(ratios: list[float]) -> dict:
+    return {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4), "per_pair": [round(r, 4) for r in ratios]}
 
 
 # --- profiling --------------------------------------------------------------------
@@ -622,7 +689,7 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--layout", action="append", default=[], type=layout_spec, metavar="NAME:TENSORSxBYTES",
                    help="add a layout, e.g. big:80x65536 (repeatable)")
     p.add_argument("--only", type=cli_args.Names(GROUPS), default=list(DEFAULT_GROUPS),
-                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but engine); "
+                   help=f"comma list of the kvoffload cases to run: {', '.join(GROUPS)} (default all but engine and metrics); "
                         "the ceilings they are compared with always run")
     p.add_argument("--gib", dest="case_bytes", type=cli_args.Amount(GiB, "GiB"), default=None,
                    help="GiB moved per pass of a case (default: sized from a probe, at most 4, to fit the drives)")
@@ -647,6 +714,8 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
                    help="slot placement: random (a warm free list, one IO per block) or sequential")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--metrics-pairs", type=cli_args.Integer(1), default=5,
+                   help="--only metrics: on/off load timings, interleaved, the order alternating (5)")
     p.add_argument("--engine-seconds", type=cli_args.Number(above=0.0), default=None,
                    help="engine group: seconds per segment (1; --quick: 0.1); each case repeats its three "
                         "segments until the ratios' spread is within 5%% (3 to 8 repeats)")
@@ -690,7 +759,7 @@ def config_from(a: argparse.Namespace) -> Config:
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=a.dram_streams,
         engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
         engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
-        engine_switch_ms=a.engine_switch_ms,
+        engine_switch_ms=a.engine_switch_ms, metrics_pairs=a.metrics_pairs,
     )
 
 

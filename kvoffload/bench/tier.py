@@ -49,7 +49,7 @@ from kvoffload.bench import fs_core
 from kvoffload.bench.ceilings import RawFile, Timed, sweep
 from kvoffload.cli_args import UsageError
 from kvoffload.slot_file import SlotFileError
-from kvoffload.vllm_tier import SlotTier
+from kvoffload.vllm_tier import SlotTier, TierConfig
 
 GiB = 2**30
 MiB = 2**20
