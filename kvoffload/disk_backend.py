@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from kvoffload import native_lane, unit_io
 from kvoffload.budget import RECORD_BYTES, file_slots
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
@@ -105,6 +106,7 @@ class DiskBackend:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         os_calls: Optional[OsCalls] = None,
         device_impl: Optional[Device] = None,
+        native_io: Optional[bool] = None,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -120,6 +122,10 @@ class DiskBackend:
           (``UnreportedLoadError``) rather than end quietly on stale device blocks.
         - ``io_threads``: IO threads (and staging buffers) per lane; by default up to 8,
           fewer with several disk paths (``default_io_threads``), at least ``num_buffer_slots``.
+        - ``native_io``: each IO unit in one GIL-free call (``unit_io``); None (default):
+          ``$KVOFFLOAD_NATIVE_IO`` if set (``on``, ``off``, ``auto``), else auto: where it
+          can be built and the seal is AES-GCM or none, else the Python path; True:
+          required (init fails saying why not); False: the Python path.
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -135,6 +141,10 @@ class DiskBackend:
                            ("report_load_errors", report_load_errors), ("named_file", named_file)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if native_io is not None and not isinstance(native_io, bool):
+            raise TypeError(f"native_io must be a bool or None, got {native_io!r}")
+        if native_io is None:
+            native_io = native_lane.from_environment()
         # shutdown() computes a deadline from join_timeout: a string here would fail
         # only there, after the threads and files exist.
         join_timeout = _seconds("join_timeout", join_timeout, minimum=0.0)
@@ -165,8 +175,12 @@ class DiskBackend:
                       for i in range(len(paths)))
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
                      use_page_cache, num_disk_slots * RECORD_BYTES[seal.name] + staging)
+        why_not = native_lane.why_not(seal, native_io)
+        if native_io and why_not is not None:
+            raise ValueError(f"native_io=True: {why_not}")
         dev = device_impl if device_impl is not None else make_device(device)
-        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)))
+        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)),
+                  native_lib=None if why_not is not None else unit_io.library())
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -191,10 +205,11 @@ class DiskBackend:
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
             logger.info(
-                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s",
+                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s, %s",
                 num_disk_slots, total_block_bytes, len(paths), threads,
                 run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
+                "native units" if why_not is None else f"Python units ({why_not})",
             )
         except BaseException:
             self.shutdown()
@@ -294,6 +309,7 @@ class DiskBackend:
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
                      "staging_bytes": self._staging_bytes(run),
+                     "native_io": run.native_lib is not None,
                      "direct_io": {lane: all(x.direct for x in run.lanes[is_store])
                                    for lane, is_store in (("store", True), ("load", False))}}
         return {**moved, "stage_seconds": run.stage_seconds()}

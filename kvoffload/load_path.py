@@ -92,20 +92,32 @@ class LoadLane(Lane):
         # Slots never stored, or whose store failed, are errors without any IO.
         failed = {j for j, r in enumerate(records) if r is None}
         run.metrics.failed(False, "not_stored", len(failed))
+        if self.direct and self.native is not None:
+            return self.load_native_into_blocks(unit, records, failed, None, clock), None
         if self.direct:
             return self.load_into_blocks(unit, records, failed, clock), None
         host = run.host_blocks
-        span = self.span(mv, None)
+        if self.native is not None and host is not None:
+            # One call reads, opens and writes the host blocks: it is this unit's copy.
+            return self.load_native_into_blocks(unit, records, failed, rows, clock), None
         read = 0
-        for j0, j1 in units_of(unit.local, skip=failed):
-            bad = self.transfer(span, unit, j0, j1)
-            clock.lap("io")
+        if self.native is not None:  # staging, opened in place, then the device copy
+            js = [j for j in range(len(unit.slots)) if j not in failed]
+            addrs = self.staging_addrs(rows, js)
+            bad, read = self.native.load(unit, js, records, addrs, addrs)
             failed |= bad
-            read += j1 - j0 - len(bad)
-            if host is None:
-                # Opened right after its read, while the rows are still hot in the cache.
-                failed |= self.open_rows(unit, range(j0, j1), bad, records, mv, None)
-                clock.lap("seal")
+            clock.lap("io")
+        else:
+            span = self.span(mv, None)
+            for j0, j1 in units_of(unit.local, skip=failed):
+                bad = self.transfer(span, unit, j0, j1)
+                clock.lap("io")
+                failed |= bad
+                read += j1 - j0 - len(bad)
+                if host is None:
+                    # Opened right after its read, while the rows are still hot in the cache.
+                    failed |= self.open_rows(unit, range(j0, j1), bad, records, mv, None)
+                    clock.lap("seal")
         with run.lock:
             run.bytes_read += read * f.slot_bytes
         good = [j for j in range(len(unit.slots)) if j not in failed]
@@ -131,6 +143,41 @@ class LoadLane(Lane):
             raise
         self.end_copy()
         return failed, None
+
+    def load_native_into_blocks(self, unit: Unit, records: list[Any], failed: set[int],
+                                rows: Optional[torch.Tensor], clock: StageClock) -> set[int]:
+        """Host blocks through ``unit_io``: read into staging ``rows`` and open into the
+        blocks, or, on a direct lane (no ``rows``), read into the blocks and open them
+        there; one GIL-free call. Returns the rows that failed; their blocks end zeroed.
+
+        The call writes the blocks, so it counts as the unit's device copy: checked
+        against ``closing`` first, waited for by shutdown.
+        """
+        run = self.run
+        js = [j for j in range(len(unit.slots)) if j not in failed]
+        if not js:
+            return failed
+        with run.copy_cond:
+            if run.closing:  # shutdown ended this job: its blocks are not ours to write
+                run.metrics.failed(False, "closing", len(js))
+                return set(range(len(unit.slots)))
+            run.copies += 1
+        try:
+            blocks = self.block_addrs(unit, js)
+            bad, read = self.native.load(unit, js, records, blocks if rows is None else self.staging_addrs(rows, js),
+                                         blocks)
+            clock.lap("io")
+            if run.closing:
+                # Released from a hang once shutdown had begun (maybe after it ended the
+                # job as failed): what the late call wrote is not kept.
+                for b in self.blocks(unit):
+                    zero(b)
+                return set(range(len(unit.slots)))
+        finally:
+            self.end_copy()
+        with run.lock:
+            run.bytes_read += read * self.file.slot_bytes
+        return failed | bad
 
     def load_into_blocks(self, unit: Unit, records: list[Any], failed: set[int], clock: StageClock) -> set[int]:
         """A direct lane's unit: read each run of valid slots straight into their blocks and

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -65,36 +66,48 @@ class NativeUnits:
         if self.kind == unit_io.SEAL_AES_GCM:
             first = self.lane.run.seal.reserve_nonces(k)
             a.nonce[:k] = np.arange(first, first + k, dtype=np.uint64)
-        self._run(True, a, k)
+        self._run(unit, True, a, k)
         if self.kind == unit_io.SEAL_AES_GCM:
             records = [(first + i, a.tag[i].tobytes()) for i in range(k)]
         else:
             records = [True] * k
         return records, self._failed(unit, js, a, k)
 
-    def load(self, unit: Any, js: list[int], records: list[Any], bufs: np.ndarray, payloads: np.ndarray) -> set[int]:
-        """Read and open slots ``js`` of ``unit`` (records of each); the rows that failed.
-        A failed row's payload is left zeroed."""
+    def load(self, unit: Any, js: list[int], records: list[Any], bufs: np.ndarray,
+             payloads: np.ndarray) -> tuple[set[int], int]:
+        """Read and open slots ``js`` of ``unit`` (records of each); (the rows that failed,
+        how many slots were read whole). A failed row's payload is left zeroed."""
         a, k = self._fill(unit, js, bufs, payloads), len(js)
         if self.kind == unit_io.SEAL_AES_GCM:
             recs = [records[j] for j in js]
             a.nonce[:k] = [r[0] for r in recs]
             a.tag[:k] = np.frombuffer(b"".join(r[1] for r in recs), np.uint8).reshape(k, unit_io.TAG_BYTES)
-        self._run(False, a, k)
-        return self._failed(unit, js, a, k)
+        self._run(unit, False, a, k)
+        status = a.status[:k]
+        read = int(((status != unit_io.STATUS_IO_ERROR) & (status != unit_io.STATUS_SHORT)).sum())
+        return self._failed(unit, js, a, k), read
 
-    def _run(self, is_store: bool, a: unit_io.UnitArrays, k: int) -> None:
+    def _run(self, unit: Any, is_store: bool, a: unit_io.UnitArrays, k: int) -> None:
         lane = self.lane
-        unit_io.run_unit(self.lib, is_store, self.fns, lane.file.fd, k, a, lane.file.slot_bytes,
-                         lane.run.layout.block_bytes, self.kind, self.key)
+        t0 = time.perf_counter()
+        try:
+            unit_io.run_unit(self.lib, is_store, self.fns, lane.file.fd, k, a, lane.file.slot_bytes,
+                             lane.run.layout.block_bytes, self.kind, self.key)
+        finally:
+            unit.io_seconds += time.perf_counter() - t0  # the seals' time is in it too
 
     def _failed(self, unit: Any, js: list[int], a: unit_io.UnitArrays, k: int) -> set[int]:
         bad = np.flatnonzero(a.status[:k])
         if not len(bad):
             return set()
         lane, f = self.lane, self.lane.file
+        is_store = lane.direction == "store"
         integrity = [js[i] for i in bad if a.status[i] == unit_io.STATUS_INTEGRITY]
         io = [js[i] for i in bad if a.status[i] != unit_io.STATUS_INTEGRITY]
+        short = int((a.status[:k] == unit_io.STATUS_SHORT).sum())
+        lane.run.metrics.failed(is_store, "integrity", len(integrity))
+        lane.run.metrics.failed(is_store, "short", short)
+        lane.run.metrics.failed(is_store, "io_error", len(io) - short)
         if integrity:
             lane.run.log.warning("integrity", "kvoffload: slot(s) %s of %s failed the %s check",
                                  [unit.slots[j] for j in integrity], f.path, lane.run.seal.name)
@@ -108,10 +121,26 @@ class NativeUnits:
         return {js[i] for i in bad}
 
 
+ENV = "KVOFFLOAD_NATIVE_IO"
+_ENV_VALUES = {"on": True, "off": False, "auto": None, "": None}
+
+
+def from_environment() -> Optional[bool]:
+    """``$KVOFFLOAD_NATIVE_IO``: on (required), off (the Python path), auto or unset.
+
+    An operator's switch that needs no config change; the tests run the Python path
+    through it too.
+    """
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in _ENV_VALUES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected on, off or auto")
+    return _ENV_VALUES[value]
+
+
 def why_not(seal: SlotSeal, requested: Optional[bool]) -> Optional[str]:
     """Why a run will not use the native path (None: it will)."""
     if requested is False:
-        return "turned off (native_io=False)"
+        return f"turned off (native_io=False or {ENV}=off)"
     if native_seal(seal) is None:
         return f"no native {seal.name} seal"
     reason = unit_io.why_unavailable()

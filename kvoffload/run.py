@@ -21,9 +21,12 @@ from typing import Any, Optional
 
 import torch
 
+import numpy as np
+
 from kvoffload.device import BlockLayout, Device, HostDevice, alloc_host
 from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
 from kvoffload.metrics import IoMetrics
+from kvoffload.native_lane import NativeUnits, native_seal
 from kvoffload.os_calls import OsCalls
 from kvoffload.slot_file import SlotFile
 from kvoffload.slot_seal import TAG_BYTES, SlotSeal
@@ -130,6 +133,18 @@ class Lane:
         # and no byte of the next block, another chunk, is ever touched).
         self.direct = (run.direct_io and file.direct and file.slot_bytes == run.layout.block_bytes
                        and run.layout.caches[0].data_ptr() % file.alignment == 0)
+        # Whole units in one GIL-free call (unit_io), where the run has the library.
+        self.native: Optional[NativeUnits] = (NativeUnits(self, run.native_lib) if run.native_lib is not None
+                                              and native_seal(run.seal) is not None else None)
+
+    def staging_addrs(self, rows: torch.Tensor, js: Sequence[int]) -> np.ndarray:
+        """Addresses of staging rows ``js`` (for unit_io)."""
+        return rows.data_ptr() + np.asarray(js, np.uint64) * np.uint64(self.file.slot_bytes)
+
+    def block_addrs(self, unit: Unit, js: Sequence[int]) -> np.ndarray:
+        """Addresses of the unit's host blocks at rows ``js`` (host-resident blocks only)."""
+        ids = np.asarray([unit.block_ids[j] for j in js], np.uint64)
+        return self.run.layout.caches[0].data_ptr() + ids * np.uint64(self.run.layout.block_bytes)
 
     def blocks(self, unit: Unit) -> list[memoryview]:
         """The unit's host blocks, in its order (host-resident blocks only)."""
@@ -257,8 +272,10 @@ class Run:
     """Everything one ``init`` creates; ``stop``/``close`` retire it as a whole."""
 
     def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
-                 report_load_errors: bool, threads_per_lane: int, metrics: IoMetrics) -> None:
+                 report_load_errors: bool, threads_per_lane: int, metrics: IoMetrics,
+                 native_lib: Any = None) -> None:
         self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
+        self.native_lib = native_lib  # unit_io's library: whole units in one GIL-free call
         # Host-resident blocks (HostDevice) are sealed from and opened into directly,
         # and, where a lane's file allows, read into and written from (Lane.direct).
         self.host_blocks = dev.host_view(layout)

@@ -52,7 +52,6 @@ class StoreLane(Lane):
               clock: StageClock) -> set[int]:
         run, f = self.run, self.file
         n = len(unit.block_ids)
-        payload = run.layout.block_bytes
         host = run.host_blocks
         if host is None:
             ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
@@ -61,9 +60,35 @@ class StoreLane(Lane):
         elif unit.wait_event is not None:
             unit.wait_event.synchronize()  # the seal reads the blocks: their writer must be done
         clock.lap("device")
+        if self.native is not None:
+            records, failed = self.store_native(unit, rows)
+            clock.lap("io")
+        else:
+            records, failed = self.store_python(unit, mv, clock)
+        good = [j for j in range(n) if j not in failed]
+        for j in good:
+            run.records[unit.slots[j]] = records[j]
+        with run.lock:
+            run.bytes_written += len(good) * f.slot_bytes
+        return failed
+
+    def store_native(self, unit: Unit, rows: Optional[torch.Tensor]) -> tuple[list[Any], set[int]]:
+        """Seal and write the whole unit in one GIL-free call (``unit_io``)."""
+        run, js = self.run, list(range(len(unit.slots)))
+        for s in unit.slots:
+            run.records[s] = None  # invalid until this write is known good
+        blocks = None if run.host_blocks is None else self.block_addrs(unit, js)
+        bufs = blocks if self.direct else self.staging_addrs(rows, js)
+        return self.native.store(unit, js, bufs, bufs if blocks is None else blocks)
+
+    def store_python(self, unit: Unit, mv: Optional[memoryview], clock: StageClock) -> tuple[list[Any], set[int]]:
+        """Seal each run of consecutive file slots, then write it, slot by slot in Python."""
+        run, f = self.run, self.file
+        n = len(unit.block_ids)
+        payload = run.layout.block_bytes
         records: list[Any] = [None] * n
         failed: set[int] = set()
-        blocks = None if host is None else self.blocks(unit)
+        blocks = None if run.host_blocks is None else self.blocks(unit)
         span = self.span(mv, blocks)
         for j0, j1 in units_of(unit.local):
             # Sealed right before its write, while the rows are still hot in the cache.
@@ -77,9 +102,4 @@ class StoreLane(Lane):
             clock.lap("seal")
             failed |= self.transfer(span, unit, j0, j1)
             clock.lap("io")
-        good = [j for j in range(n) if j not in failed]
-        for j in good:
-            run.records[unit.slots[j]] = records[j]
-        with run.lock:
-            run.bytes_written += len(good) * f.slot_bytes
-        return failed
+        return records, failed

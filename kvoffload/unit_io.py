@@ -119,6 +119,8 @@ _LOCK = threading.Lock()
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, or None (``why_unavailable()`` says why); built once per process."""
     global _LIB, _WHY_NOT
+    if _LIB is not None or _WHY_NOT is not None:  # settled: no lock on every init
+        return _LIB
     with _LOCK:
         if _LIB is None and _WHY_NOT is None:
             try:

@@ -225,20 +225,27 @@ def _replay(a: argparse.Namespace) -> int:
                              host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
     profile = load_profile(a.hardware or (sc.hardware if sc else DEFAULT_PROFILE))
     policy = a.load_policy or (sc.load_policy if sc else "faster")
+    gpu_kv = hw.kv_bytes(model)  # refuses a model that leaves no KV cache, before anything is printed
+    # What this run models, said once its first tier has replayed: a mistake found while
+    # setting them up stays one line.
     if sc is not None:
         requests = workload.requests()
         title = f"scenario {sc.name}"
-        print(f"kvsim: scenario {sc.name}: {sc.summary}", file=sys.stderr)
+        said = [f"kvsim: scenario {sc.name}: {sc.summary}"]
     else:
         requests = read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit)
         title = a.trace
-        print(f"kvsim: trace {a.trace}", file=sys.stderr)
-    print(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}",
-          file=sys.stderr)
+        said = [f"kvsim: trace {a.trace}"]
+    said.append(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}")
     if profile.name == VM_DISK_PROFILE:
-        print(f"kvsim: warning: hardware {profile.name} is the H200 VM's own virtual disk (about 1.5 GiB/s): "
-              f"not a deployment's drive; --hardware h200-ramdrive models one fast local drive", file=sys.stderr)
-    title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {hw.kv_bytes(model) / 1e9:,.1f} GB, "
+        said.append(f"kvsim: warning: hardware {profile.name} is the H200 VM's own virtual disk (about 1.5 GiB/s): "
+                    f"not a deployment's drive; --hardware h200-ramdrive models one fast local drive")
+
+    def say() -> None:
+        while said:
+            print(said.pop(0), file=sys.stderr)
+
+    title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {gpu_kv / 1e9:,.1f} GB, "
              f"hardware {profile.name}, load policy {policy}")
     cfg = ReplayConfig(model, hw, policy, profile)
     summaries, ttfts = [], []
@@ -249,15 +256,17 @@ def _replay(a: argparse.Namespace) -> int:
             for spec in tiers:
                 task = bar.add_task(spec.text, total=len(requests))
                 s, t = replay(requests, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
+                say()
                 summaries.append(s)
                 ttfts.append(t)
     else:
         for spec in tiers:
             s, t = replay(requests, spec, cfg)
+            say()
             summaries.append(s)
             ttfts.append(t)
     if a.json:
-        resolved = dataclasses.replace(hw, gpu_kv_bytes=hw.kv_bytes(model))
+        resolved = dataclasses.replace(hw, gpu_kv_bytes=gpu_kv)
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
                "hardware": dataclasses.asdict(resolved), "io_profile": profile.name, "load_policy": cfg.load_policy,
                "tiers": summaries}

@@ -52,6 +52,7 @@ def test_a_backend_that_serves_wrong_bytes_is_counted(tmp_path, monkeypatch, cap
         return ok
 
     monkeypatch.setattr(AesGcmSeal, "open", lying_open)
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_IO", "off")  # the lie is in the Python path's seal
     rc = main(["sweep", "--json", "--dir", str(tmp_path), "--calls", "fstat", "--file-modes", "anonymous",
                "--io", "direct", "--kinds", "transient"])
     out = json.loads(capsys.readouterr().out)

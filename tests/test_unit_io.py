@@ -204,3 +204,61 @@ def test_the_cache_directory_must_be_private(tmp_path, monkeypatch):
         unit_io._private_dir(shared)
     unit_io._private_dir(tmp_path / "fresh")
     assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+
+
+# -- the backend's lanes on the native path ---------------------------------------
+
+
+def _backend(tmp_path, monkeypatch=None, **kw):
+    import torch
+
+    from kvoffload.disk_backend import DiskBackend
+    from kvoffload.device import random_caches
+
+    caches = random_caches("cpu", 16, [4096, 1000])
+    b = DiskBackend()
+    b.init(caches, torch.device("cpu"), None, None, str(tmp_path / "kv.bin"), 32, 5096, report_load_errors=True,
+           capacity_bytes=32 * 8192,
+           **kw)
+    return b, caches
+
+
+def _round_trip(b, caches) -> bool:
+    import torch
+
+    want = {k: v.clone() for k, v in caches.items()}
+    ev: list = []
+    b.launch_copy(list(range(16)), list(range(16, 32)), True, 0, ev)
+    ev[-1][1].synchronize()
+    for v in caches.values():
+        v.zero_()
+    b.launch_copy(list(range(16, 32)), list(range(16)), False, 0, ev)
+    ev[-1][1].synchronize()
+    return all(torch.equal(caches[k], want[k]) for k in caches) and not b.get_block_ids_with_load_errors()
+
+
+@pytest.mark.parametrize("env, kw, native", [
+    ("", {}, True), ("auto", {}, True), ("off", {}, False), ("on", {}, True),
+    ("", {"native_io": False}, False), ("off", {"native_io": True}, True),
+    ("", {"encrypt": False, "checksums": False}, True),  # no checks: the native copy
+    ("", {"encrypt": False}, False),  # xxh3 has no native seal
+])
+def test_the_backend_takes_the_native_path_where_asked_and_able(tmp_path, monkeypatch, env, kw, native):
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_IO", env)
+    b, caches = _backend(tmp_path, **kw)
+    try:
+        assert b.stats()["native_io"] is native
+        assert _round_trip(b, caches)
+    finally:
+        b.shutdown()
+
+
+def test_native_required_where_it_cannot_run_is_refused_at_init(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"^native_io=True: no native xxh3 seal"):
+        _backend(tmp_path, encrypt=False, native_io=True)
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_IO", "sometimes")
+    with pytest.raises(ValueError, match=r"KVOFFLOAD_NATIVE_IO='sometimes': expected on, off or auto"):
+        _backend(tmp_path)
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_IO", "on")
+    with pytest.raises(ValueError, match=r"^native_io=True: no native xxh3 seal"):
+        _backend(tmp_path, encrypt=False)
