@@ -1,7 +1,8 @@
 """``CudaDevice``: the device seam on real CUDA streams and events.
 
-One stream per IO thread, one batched driver copy (``cuda_driver.BatchMemcpy``) per
-unit, and device staging rows for layouts made of small pieces.
+One stream per IO thread, one batched driver copy (``cuda_driver.Driver``) per unit,
+events made and recorded through the driver with the GIL held (``DriverEvent``), and
+device staging rows for layouts made of small pieces.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, BatchMemcpy, MemcpyAttributes
+from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
 from kvoffload.cuda_gather import FusedPieces, load_fused
 from kvoffload.device import BlockLayout, DeviceEvent, copy_rows
 
@@ -48,7 +49,7 @@ class CudaDevice:
         # H200, 4 RAM-backed drives, 8 threads per lane: store 10.7 GiB/s blocking,
         # 4.9 spinning (scripts/probe_fast_storage.py).
         self.blocking_events = blocking_events
-        self._batch = BatchMemcpy()
+        self._driver = Driver()
         # Stores read the cache in stream order (after wait_event: compute may still
         # write it, vLLM #45704); loads read staging rows that do not change until the
         # copy's event completes, so the driver may reorder them (ANY, vLLM #39306).
@@ -93,11 +94,11 @@ class CudaDevice:
             return True
         return piece < STAGE_BELOW_BYTES
 
-    def new_event(self) -> torch.cuda.Event:
+    def new_event(self) -> DriverEvent:
         # Recorded again for every copy of one staging buffer: creating and destroying
         # an event per copy takes driver locks the IO threads then queue on (H200, 16
         # MiB units: 40-45 GiB/s H2D with a new event per copy, 50 GiB/s reused).
-        return torch.cuda.Event(blocking=self.blocking_events)
+        return DriverEvent(self._driver, self.blocking_events)
 
     def pin(self, host: torch.Tensor) -> None:
         # cudaHostRegister pins exactly this range; PyTorch's pinned allocator would
@@ -123,7 +124,7 @@ class CudaDevice:
 
     def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
         if wait_event is not None:
-            stream.wait_event(wait_event)
+            self._driver.stream_wait(stream, wait_event)
         return self._copy(stream, layout, block_ids, host, rows, True, event)
 
     def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
@@ -132,7 +133,7 @@ class CudaDevice:
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         return None  # device memory: the file IO reaches it only through pinned staging
 
-    def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> torch.cuda.Event:
+    def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> DriverEvent:
         stage = getattr(stream, "stage", None)
         slot = host.stride(0) * host.element_size()
         hst_rows = np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
@@ -153,9 +154,9 @@ class CudaDevice:
                         fused.move(layout, idx, stage, to_stage=True)
                     else:
                         copy_rows(layout, idx, stage, None, to_host=True)
-                    self._batch(hst_rows, dev_rows, sizes, attr, stream)
+                    self._driver.memcpy_batch(hst_rows, dev_rows, sizes, attr, stream)
                 else:
-                    self._batch(dev_rows, hst_rows, sizes, attr, stream)
+                    self._driver.memcpy_batch(dev_rows, hst_rows, sizes, attr, stream)
                     if fused is not None:
                         fused.move(layout, idx, stage, to_stage=False)
                     else:
@@ -168,9 +169,9 @@ class CudaDevice:
             hst = (hst_rows[None, :] + offs[:, None]).ravel()
             sizes = np.repeat(bpb, len(ids))
             if to_host:
-                self._batch(hst, dev, sizes, attr, stream)
+                self._driver.memcpy_batch(hst, dev, sizes, attr, stream)
             else:
-                self._batch(dev, hst, sizes, attr, stream)
-        ev = event if event is not None else torch.cuda.Event(blocking=self.blocking_events)
+                self._driver.memcpy_batch(dev, hst, sizes, attr, stream)
+        ev = event if event is not None else self.new_event()
         ev.record(stream)
         return ev

@@ -73,7 +73,10 @@ class LoadLane(Lane):
         unit, failed, ev = pending
         if ev is not None:
             try:
-                ev.synchronize()
+                # Mostly done by now (it had this thread's next unit of file IO to run
+                # in); query() keeps the GIL, synchronize() gives it up and waits for it.
+                if not ev.query():
+                    ev.synchronize()
             except BaseException as e:
                 self.run.fail_fatal(e, self, unit)
                 return None

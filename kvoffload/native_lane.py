@@ -60,13 +60,15 @@ class NativeUnits:
         a.aad[:k] = [unit.slots[j] for j in js]
         return a
 
-    def store(self, unit: Any, js: list[int], bufs: np.ndarray, payloads: np.ndarray) -> tuple[list[Any], set[int]]:
-        """Seal and write slots ``js`` of ``unit``; (their records, the rows that failed)."""
+    def store(self, unit: Any, js: list[int], bufs: np.ndarray, payloads: np.ndarray,
+              wait: Optional[tuple[int, int]] = None) -> tuple[list[Any], set[int]]:
+        """Seal and write slots ``js`` of ``unit``, after ``wait`` (a device event's
+        ``native_wait``) where given; (their records, the rows that failed)."""
         a, k = self._fill(unit, js, bufs, payloads), len(js)
         if self.kind == unit_io.SEAL_AES_GCM:
             first = self.lane.run.seal.reserve_nonces(k)
             a.nonce[:k] = np.arange(first, first + k, dtype=np.uint64)
-        self._run(unit, True, a, k)
+        self._run(unit, True, a, k, wait)
         if self.kind == unit_io.SEAL_AES_GCM:
             records = [(first + i, a.tag[i].tobytes()) for i in range(k)]
         else:
@@ -87,12 +89,13 @@ class NativeUnits:
         read = int(((status != unit_io.STATUS_IO_ERROR) & (status != unit_io.STATUS_SHORT)).sum())
         return self._failed(unit, js, a, k), read
 
-    def _run(self, unit: Any, is_store: bool, a: unit_io.UnitArrays, k: int) -> None:
+    def _run(self, unit: Any, is_store: bool, a: unit_io.UnitArrays, k: int,
+             wait: Optional[tuple[int, int]] = None) -> None:
         lane = self.lane
         t0 = time.perf_counter()
         try:
             unit_io.run_unit(self.lib, is_store, self.fns, lane.file.fd, k, a, lane.file.slot_bytes,
-                             lane.run.layout.block_bytes, self.kind, self.key)
+                             lane.run.layout.block_bytes, self.kind, self.key, wait)
         finally:
             unit.io_seconds += time.perf_counter() - t0  # the seals' time is in it too
 

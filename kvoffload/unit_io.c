@@ -29,6 +29,8 @@
 #include <openssl/evp.h>
 
 typedef ssize_t (*io_fn)(int fd, const struct iovec *iov, int iovcnt, off_t offset);
+/* Waits for the device copy into staging (cuEventSynchronize on CUDA); 0 when done. */
+typedef int (*wait_fn)(void *event);
 
 enum { KVO_OK = 0, KVO_IO_ERROR = 1, KVO_SHORT = 2, KVO_INTEGRITY = 3, KVO_CIPHER = 4 };
 enum { KVO_SEAL_OFF = 0, KVO_SEAL_AES_GCM = 1 };
@@ -146,10 +148,18 @@ static int gcm(EVP_CIPHER_CTX *ctx, int enc, const uint8_t *key, uint64_t nonce,
     return KVO_OK;
 }
 
-/* Store ``n`` slots: seal each payload into its buffer, then write them.
- * ``status`` must come in as KVO_OK for every slot. */
+/* Store ``n`` slots: wait for their copy into staging (``wait``, if given), seal each
+ * payload into its buffer, then write them. ``status`` must come in as KVO_OK for every
+ * slot. Returns 0, -1 (no memory), or the wait's error code (> 0: nothing was written).
+ * The wait is here so that the thread does not take the GIL between the copy and the
+ * write: each time it does, the engine's thread may keep it for a switch interval. */
 int kvo_store_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, int64_t payload_bytes,
-                   int seal, const uint8_t *key) {
+                   int seal, const uint8_t *key, wait_fn wait, void *event) {
+    if (wait != NULL) {
+        int rc = wait(event);
+        if (rc != 0)
+            return rc > 0 ? rc : 1;
+    }
     EVP_CIPHER_CTX *ctx = seal == KVO_SEAL_AES_GCM ? EVP_CIPHER_CTX_new() : NULL;
     if (seal == KVO_SEAL_AES_GCM && ctx == NULL)
         return -1;

@@ -44,6 +44,7 @@ COMPILE_TIMEOUT_S = 60
 
 IO_FN = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                          use_errno=True)
+WAIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)  # a device event's wait: 0 once it happened
 
 
 class _Iovec(ctypes.Structure):
@@ -104,9 +105,11 @@ def _load() -> ctypes.CDLL:
     if not lib_path.exists():
         _build(lib_path)
     lib = ctypes.CDLL(str(lib_path))
+    unit = [IO_FN, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Slots), ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_char_p]
+    lib.kvo_store_unit.argtypes = unit + [ctypes.c_void_p, ctypes.c_void_p]
+    lib.kvo_load_unit.argtypes = unit
     for fn in (lib.kvo_store_unit, lib.kvo_load_unit):
-        fn.argtypes = [IO_FN, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Slots), ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int, ctypes.c_char_p]
         fn.restype = ctypes.c_int
     return lib
 
@@ -215,13 +218,26 @@ class UnitArrays:
 
 
 def run_unit(lib: ctypes.CDLL, is_store: bool, fns: tuple[Any, Any], fd: int, n: int, a: UnitArrays,
-             slot_bytes: int, payload_bytes: int, seal: int, key: Optional[bytes]) -> None:
+             slot_bytes: int, payload_bytes: int, seal: int, key: Optional[bytes],
+             wait: Optional[tuple[int, int]] = None) -> None:
     """Store or load the first ``n`` slots described in ``a``; outcomes land in
-    ``a.status``/``a.err`` (and, for stores, ``a.tag``). Releases the GIL throughout."""
+    ``a.status``/``a.err`` (and, for stores, ``a.tag``). Releases the GIL throughout.
+
+    ``wait`` (stores only): (address of a C wait function, its event), called first;
+    a failed wait raises ``RuntimeError`` before anything is sealed or written.
+    """
     a.status[:n] = STATUS_OK
     a.err[:n] = 0
-    fn = lib.kvo_store_unit if is_store else lib.kvo_load_unit
-    rc = fn(fns[1] if is_store else fns[0], fd, n, ctypes.byref(a.slots), slot_bytes, payload_bytes, seal, key)
+    slots = ctypes.byref(a.slots)
+    if is_store:
+        fn_addr, event = wait if wait is not None else (None, None)
+        rc = lib.kvo_store_unit(fns[1], fd, n, slots, slot_bytes, payload_bytes, seal, key, fn_addr, event)
+    else:
+        if wait is not None:
+            raise ValueError("unit_io: a load's device copy comes after its IO, it has nothing to wait for")
+        rc = lib.kvo_load_unit(fns[0], fd, n, slots, slot_bytes, payload_bytes, seal, key)
     take_callback_error()
-    if rc != 0:
+    if rc == -1:
         raise MemoryError("kvoffload unit_io: no memory for a cipher context")
+    if rc != 0:
+        raise RuntimeError(f"kvoffload unit_io: waiting for the unit's device copy failed: error {rc}")

@@ -538,6 +538,32 @@ def test_wait_event_orders_store_after_compute(tmp_path, dev):
         b.shutdown()
 
 
+@pytest.mark.cuda
+def test_cuda_store_waits_for_a_torch_event_of_compute(tmp_path):
+    """On CUDA the wait is the driver's (no GIL release): a store still reads the block
+    only after compute's event, and a torch event never recorded does not block it."""
+    caches = make_caches("cuda", 4, [1 << 20])
+    b = start(caches, "cuda", tmp_path)
+    try:
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(200_000_000)  # the block is written well after the launch
+            caches["layer0"][0].fill_(42)
+            written = torch.cuda.Event()
+            written.record(compute)
+        ev = []
+        b.launch_copy([0], [0], True, 0, ev, wait_event=written)
+        b.launch_copy([1], [1], True, 1, ev, wait_event=torch.cuda.Event())
+        for _, e in ev:
+            e.synchronize(timeout=30)
+        want = caches["layer0"][1].clone()
+        caches["layer0"].zero_()
+        assert run_job(b, [0, 1], [2, 3], False, ev, 2).ok
+        assert bool((caches["layer0"][2] == 42).all()) and torch.equal(caches["layer0"][3], want)
+    finally:
+        b.shutdown()
+
+
 # -- HostDevice: blocks in host memory, sealed from and opened into directly -------
 
 @pytest.mark.parametrize("seal", ["aes-gcm", "xxh3", "off"])

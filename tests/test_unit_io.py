@@ -7,6 +7,7 @@ backend keeps its Python path.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -44,12 +45,12 @@ class Unit:
         self.a.aad[: self.n] = slots
         self.in_place = in_place
 
-    def store(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM) -> np.ndarray:
+    def store(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM, wait=None) -> np.ndarray:
         a, n = self.a, self.n
         a.buf[:n] = [self.staging[j].ctypes.data for j in range(n)]
         a.payload[:n] = [self.src[j].ctypes.data for j in range(n)]
         unit_io.run_unit(LIB, True, unit_io.io_functions(osc), self.fd, n, a, self.slot, self.payload, seal,
-                         self.key)
+                         self.key, wait)
         return a.status[:n].copy()
 
     def load(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM) -> tuple[np.ndarray, np.ndarray]:
@@ -166,6 +167,53 @@ def test_off_seal_copies_without_checks(tmp_path):
     assert os.pread(u.fd, PAYLOAD, SLOT) == u.src[1].tobytes()  # plaintext on disk, by choice
     status, rows = u.load(seal=unit_io.SEAL_OFF)
     assert (status == 0).all() and (rows == u.src).all()
+
+
+class DeviceCopy:
+    """A device event's ``native_wait`` stand-in: a C-callable wait that fills the
+    staging rows when called (the copy landing) and then returns ``rc``."""
+
+    def __init__(self, u: Unit, rc: int = 0) -> None:
+        self.u, self.rc, self.calls = u, rc, 0
+        self.fn = unit_io.WAIT_FN(self.wait)  # kept alive as long as this object
+
+    def wait(self, event: int) -> int:
+        assert event == 1234
+        self.calls += 1
+        if self.rc == 0:  # only now are the payloads there to seal
+            self.u.src[:] = self.landed
+        return self.rc
+
+    def native_wait(self) -> tuple[int, int]:
+        self.landed = self.u.src.copy()
+        self.u.src[:] = 0  # until the wait, the source holds no KV yet
+        return ctypes.cast(self.fn, ctypes.c_void_p).value, 1234
+
+
+def test_a_store_waits_for_its_device_copy_inside_the_call(tmp_path):
+    # Goal: a store's wait for its copy into staging runs in the same GIL-free call,
+    # once, before any slot is sealed: what is written is what the copy brought.
+    u = Unit(tmp_path, [0, 1, 2])
+    copy = DeviceCopy(u)
+    assert (u.store(wait=copy.native_wait()) == 0).all()
+    assert copy.calls == 1
+    status, rows = u.load()
+    assert (status == 0).all() and (rows == copy.landed).all() and rows.any()
+
+
+def test_a_failed_device_wait_fails_the_unit_before_any_write(tmp_path):
+    # Goal: the device failed (the wait's error code): the call raises, nothing was
+    # sealed or written (the file's slots are still what they were).
+    u = Unit(tmp_path, [0, 1])
+    osc = FaultyOsCalls()
+    copy = DeviceCopy(u, rc=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(RuntimeError, match="device copy failed: error 700"):
+        u.store(osc, wait=copy.native_wait())
+    assert copy.calls == 1 and osc.calls["pwritev"] == 0
+    assert os.pread(u.fd, 2 * SLOT, 0) == bytes(2 * SLOT)
+    with pytest.raises(ValueError, match="nothing to wait for"):
+        unit_io.run_unit(LIB, False, unit_io.io_functions(OsCalls()), u.fd, u.n, u.a, SLOT, PAYLOAD,
+                         unit_io.SEAL_AES_GCM, u.key, copy.native_wait())
 
 
 def test_the_unit_runs_without_the_gil(tmp_path):

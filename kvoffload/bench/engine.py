@@ -385,6 +385,7 @@ class EngineConfig:
     directions: tuple[str, ...] = DIRECTIONS
     shares: tuple[float, ...] = SHARES
     seed: int = 0
+    tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the tier's default)
 
 
 def drive_sets(dirs: list[str]) -> list[list[str]]:
@@ -407,7 +408,7 @@ def run_engine_group(cfg: EngineConfig, log: Callable[[str], None]) -> list[Engi
             if name == "gpu":
                 path = GpuPath(cfg.device, paths, cfg.tensor_bytes, num_blocks, cfg.io_threads, cfg.io_unit_bytes)
             elif name == "tier":
-                path = TierPath(paths, block_bytes, num_blocks, cfg.io_threads, None)
+                path = TierPath(paths, block_bytes, num_blocks, cfg.io_threads, cfg.tier_unit_bytes)
             else:
                 path = RawPath(dirs, block_bytes, num_blocks, cfg.io_threads or DEFAULT_IO_THREADS, cfg.io_unit_bytes)
             try:

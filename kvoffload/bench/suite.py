@@ -49,6 +49,7 @@ from kvoffload.device import BlockLayout, alloc_host, make_device
 from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.slot_file import round_up
 from kvoffload.slot_seal import SEALS as SEAL_CLASSES
+from kvoffload.vllm_tier import TIER_IO_UNIT_BYTES
 
 GiB = 2**30
 MiB = 2**20
@@ -111,6 +112,7 @@ class Config:
     engine_shares: tuple[float, ...] = engine.SHARES
     engine_max_repeats: int = 8
     engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
+    engine_tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the tier's default)
     metrics_pairs: int = 5  # on/off load pairs of the metrics group
 
     @property
@@ -650,7 +652,7 @@ def engine_config(cfg: Config, work: list[str]) -> engine.EngineConfig:
         job_bytes=max(cfg.job_bytes, footprint // 4), depth=3, seconds=cfg.engine_seconds,
         min_repeats=2 if cfg.quick else 3, max_repeats=2 if cfg.quick else cfg.engine_max_repeats,
         io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, paths=cfg.engine_paths,
-        shares=cfg.engine_shares, seed=cfg.seed,
+        shares=cfg.engine_shares, seed=cfg.seed, tier_unit_bytes=cfg.engine_tier_unit_bytes,
     )
 
 
@@ -728,6 +730,9 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--engine-switch-ms", type=cli_args.Number(above=0.0), default=None,
                    help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
                         "to measure how the GIL hand-over interval trades the two ratios")
+    p.add_argument("--engine-tier-unit-mib", type=cli_args.Integer(1), default=None,
+                   help="engine group: the tier path's IO unit in MiB (default: the tier's own, "
+                        f"{TIER_IO_UNIT_BYTES // MiB})")
     p.add_argument("--runs", type=cli_args.Integer(1), default=1,
                    help="repeat everything N times; report best and worst")
     p.add_argument("--no-drop-caches", action="store_true",
@@ -760,6 +765,7 @@ def config_from(a: argparse.Namespace) -> Config:
         engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
         engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
         engine_switch_ms=a.engine_switch_ms, metrics_pairs=a.metrics_pairs,
+        engine_tier_unit_bytes=None if a.engine_tier_unit_mib is None else a.engine_tier_unit_mib * MiB,
     )
 
 
