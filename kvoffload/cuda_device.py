@@ -7,6 +7,7 @@ device staging rows for layouts made of small pieces.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any, Optional
 
@@ -14,8 +15,9 @@ import numpy as np
 import torch
 
 from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
+from kvoffload import unit_io
 from kvoffload.cuda_gather import FusedPieces, load_fused
-from kvoffload.device import BlockLayout, DeviceEvent, copy_rows
+from kvoffload.device import BlockLayout, DeviceEvent, copy_rows, piece_descriptors
 
 # Mean bytes per (tensor, block) piece under which a copy goes through a device
 # staging buffer (one DMA descriptor per row, then a gather or scatter between those
@@ -133,14 +135,35 @@ class CudaDevice:
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         return None  # device memory: the file IO reaches it only through pinned staging
 
-    def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> DriverEvent:
+    def native_copy(self, stream, layout, block_ids, host, rows, to_host: bool, wait_event=None,
+                    event=None) -> Optional["NativeCopy"]:
+        """``copy_to_host`` (``to_host``) or ``copy_to_device``'s copy, prepared for unit_io to
+        launch inside its GIL-free call (a store's also waited for there); None where the
+        copy needs torch (device staging rows and their kernels)."""
+        if self._staged(stream, layout, len(block_ids), to_host):
+            return None
+        if to_host and wait_event is not None:
+            self._driver.stream_wait(stream, wait_event)
+        dsts, srcs, sizes = piece_descriptors(layout, block_ids, host, rows, to_host)
+        return NativeCopy(self._driver, dsts, srcs, sizes, self._attr_store if to_host else self._attr_load, stream,
+                          event if event is not None else self.new_event(), wait=to_host)
+
+    def _staged(self, stream, layout: BlockLayout, n: int, to_host: bool) -> bool:
         stage = getattr(stream, "stage", None)
+        return stage is not None and n <= stage.shape[0] and self.stages(layout, to_host)
+
+    @staticmethod
+    def _host_rows(host: torch.Tensor, rows) -> np.ndarray:
         slot = host.stride(0) * host.element_size()
-        hst_rows = np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
+        return np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
+
+    def _copy(self, stream, layout, block_ids, host, rows, to_host: bool, event) -> DriverEvent:
         attr = self._attr_store if to_host else self._attr_load
-        if stage is not None and len(block_ids) <= stage.shape[0] and self.stages(layout, to_host):
+        if self._staged(stream, layout, len(block_ids), to_host):
             # Packed host rows <-> device rows, one descriptor each; per tensor one gather
             # (store) or scatter (load) kernel between those rows and the caches.
+            stage = stream.stage
+            hst_rows = self._host_rows(host, rows)
             n, row_bytes = len(block_ids), stage.shape[1]
             dev_rows = np.uint64(stage.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(row_bytes)
             sizes = np.full(n, row_bytes, dtype=np.uint64)
@@ -162,16 +185,27 @@ class CudaDevice:
                     else:
                         copy_rows(layout, idx, stage, None, to_host=False)
         else:
-            # One descriptor per (tensor, block) piece.
-            ids = np.asarray(block_ids, dtype=np.uint64)
-            bases, bpb, offs = layout.pointer_arrays
-            dev = (bases[:, None] + ids[None, :] * bpb[:, None]).ravel()
-            hst = (hst_rows[None, :] + offs[:, None]).ravel()
-            sizes = np.repeat(bpb, len(ids))
-            if to_host:
-                self._driver.memcpy_batch(hst, dev, sizes, attr, stream)
-            else:
-                self._driver.memcpy_batch(dev, hst, sizes, attr, stream)
+            self._driver.memcpy_batch(*piece_descriptors(layout, block_ids, host, rows, to_host), attr, stream)
         ev = event if event is not None else self.new_event()
         ev.record(stream)
         return ev
+
+
+class NativeCopy:
+    """A descriptor copy prepared by ``CudaDevice.native_copy``: ``c`` is what unit_io
+    launches (it points into the arrays held here), ``event`` its completion."""
+
+    def __init__(self, driver: Driver, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+                 attr: MemcpyAttributes, stream: Any, event: DriverEvent, wait: bool) -> None:
+        self.driver, self.arrays, self.attr, self.stream, self.event = driver, (dsts, srcs, sizes), attr, stream, event
+        fn = driver.addresses
+        self.c = unit_io.DeviceCopy(
+            batch=fn["cuMemcpyBatchAsync"], record=fn["cuEventRecord"], wait=fn["cuEventSynchronize"] if wait else None,
+            dsts=dsts.ctypes.data, srcs=srcs.ctypes.data, sizes=sizes.ctypes.data, count=len(sizes),
+            attrs=ctypes.addressof(attr), stream=stream.cuda_stream, event=event.handle)
+
+    def launch(self) -> DriverEvent:
+        """Launch it from Python instead (no unit_io call comes next); returns its event."""
+        self.driver.memcpy_batch(*self.arrays, self.attr, self.stream)
+        self.event.record(self.stream)
+        return self.event

@@ -1,16 +1,19 @@
-"""The CUDA driver calls kvoffload makes itself, through ctypes, with the GIL held.
+"""The CUDA driver calls kvoffload makes itself, through ctypes.
 
 Everything else CUDA goes through torch. This module only loads ``libcuda`` when a
 CUDA device is built, so importing it needs no GPU.
 
-Why the GIL stays held: in vLLM's worker the engine thread holds the GIL most of a
-step, and a thread that released it waits up to Python's switch interval (5 ms) to
-get it back. torch's ``Event.record``, ``Stream.wait_event`` and ctypes' usual
-foreign calls all release it, so each cost an IO thread one such wait per unit, for
-calls that only enqueue work and return in microseconds. These are made with
-``ctypes.PYFUNCTYPE`` (no release). Only ``DriverEvent.synchronize``, which really
-blocks, releases it; a store's wait runs inside its unit's native call instead
-(``DriverEvent.native_wait``, unit_io.c).
+Which calls keep the GIL, and why: in vLLM's worker the engine thread holds the GIL
+most of a step, and a thread that gave it up waits up to Python's switch interval
+(5 ms) to get it back. torch's ``Event.record``, ``Stream.wait_event`` and ctypes'
+usual foreign calls all give it up, for calls that only enqueue work and return in
+microseconds: those (event record, query, a stream's wait) are made with
+``ctypes.PYFUNCTYPE`` and keep it. ``cuMemcpyBatchAsync`` of a 16 MiB unit (512
+descriptors) takes 0.56-0.64 ms (median; H200, 8-16 threads,
+``scripts/probe_batch_launch.py``), too long to hold the GIL for: from Python it
+gives it up, and where it can the backend launches it inside its unit's GIL-free call
+instead (``unit_io.DeviceCopy``, from these functions' addresses). So does
+``DriverEvent.synchronize``, which really blocks.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _PROTOS = {  # name -> (ABI version, result and argument types)
     "cuEventSynchronize": (12000, (ctypes.c_int, _P)),
     "cuStreamWaitEvent": (12000, (ctypes.c_int, _P, _P, ctypes.c_uint)),
 }
+_RELEASE_GIL = ("cuMemcpyBatchAsync", "cuEventSynchronize")
 
 
 class Driver:
@@ -84,10 +88,9 @@ class Driver:
                     "needs a driver for CUDA 12.8 or newer"
                 )
             self.addresses[name] = fn.value
-            setattr(self, name, ctypes.PYFUNCTYPE(*types)(fn.value))
-        # The one call that blocks: the GIL is released for it.
-        self.blocking_synchronize = ctypes.CFUNCTYPE(*_PROTOS["cuEventSynchronize"][1])(
-            self.addresses["cuEventSynchronize"])
+            # The GIL is kept for the calls that return at once, given up for the others.
+            proto = ctypes.CFUNCTYPE if name in _RELEASE_GIL else ctypes.PYFUNCTYPE
+            setattr(self, name, proto(*types)(fn.value))
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -140,9 +143,4 @@ class DriverEvent:
         return True
 
     def synchronize(self) -> None:
-        self.driver.check(self.driver.blocking_synchronize(self.handle), "cuEventSynchronize")
-
-    @property
-    def native_wait(self) -> tuple[int, int]:
-        """(cuEventSynchronize's address, this event) for a GIL-free caller to wait with."""
-        return self.driver.addresses["cuEventSynchronize"], self.handle
+        self.driver.check(self.driver.cuEventSynchronize(self.handle), "cuEventSynchronize")

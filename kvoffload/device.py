@@ -153,6 +153,20 @@ def _copy_rows_numpy(layout: BlockLayout, ids: np.ndarray, host: torch.Tensor, r
             c[ids] = buf[:n, span] if dense else buf[rows, span]
 
 
+def piece_descriptors(layout: BlockLayout, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int],
+                      to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One copy descriptor per (tensor, block) piece between blocks ``block_ids`` and host
+    rows ``rows``: (destination addresses, source addresses, sizes), uint64 arrays."""
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    bases, bpb, offs = layout.pointer_arrays
+    slot = host.stride(0) * host.element_size()
+    host_rows = np.uint64(host.data_ptr()) + np.asarray(rows, dtype=np.uint64) * np.uint64(slot)
+    dev = (bases[:, None] + ids[None, :] * bpb[:, None]).ravel()
+    hst = (host_rows[None, :] + offs[:, None]).ravel()
+    sizes = np.repeat(bpb, len(ids))
+    return (hst, dev, sizes) if to_host else (dev, hst, sizes)
+
+
 def random_caches(device: torch.device | str, num_blocks: int, tensor_bytes: Sequence[int],
                   seed: int = 0) -> dict[str, torch.Tensor]:
     """Random int8 caches ``layer{i}: [num_blocks, tensor_bytes[i]]`` on ``device``: the

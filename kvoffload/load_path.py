@@ -18,15 +18,26 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from kvoffload import unit_io
 from kvoffload.run import Lane, StageClock, Unit, units_of
 from kvoffload.slot_seal import zero
 
-# A load whose device copy is running: (unit, failed rows, copy event or None).
-_Pending = Optional[tuple[Unit, set[int], Any]]
+
+@dataclass
+class _Pending:
+    """A unit read and opened, whose device copy is running (``event``), or prepared and
+    not launched yet (``copy``: the next unit's native call launches it), or that has none."""
+
+    unit: Unit
+    failed: set[int]
+    good: list[int] = field(default_factory=list)  # the rows its copy moves
+    event: Any = None
+    copy: Any = None
 
 
 class LoadLane(Lane):
@@ -37,7 +48,7 @@ class LoadLane(Lane):
         run = self.run
         buffers = views or [(None, None, None)]  # a direct lane reads into the blocks: no staging
         turn = 0
-        pending: _Pending = None
+        pending: Optional[_Pending] = None
         while True:
             if pending is None:
                 unit = self.queue.get()
@@ -56,7 +67,7 @@ class LoadLane(Lane):
             rows, mv, event = buffers[turn]
             turn = (turn + 1) % len(buffers)
             try:
-                failed, ev = self.load(stream, unit, rows, mv, event, clock)
+                loaded = self.load(stream, unit, rows, mv, event, clock, pending)
             except BaseException as e:  # a device failure: fatal for the whole backend
                 run.fail_fatal(e, self, unit)
                 pending = self.settle(pending, clock)
@@ -64,31 +75,69 @@ class LoadLane(Lane):
             # The previous unit's copy had all of this unit's file IO to finish in;
             # its buffer is the one the next unit reads into, so wait for it now.
             self.settle(pending, clock)
-            pending = (unit, failed, ev)
+            pending = loaded
 
-    def settle(self, pending: _Pending, clock: StageClock) -> None:
-        """Wait for a load's copy to the device, then finish its unit."""
-        if pending is None:
+    def settle(self, p: Optional[_Pending], clock: StageClock) -> None:
+        """Launch a load's device copy if that is still to do, wait for it, then finish its unit."""
+        if p is None:
             return None
-        unit, failed, ev = pending
-        if ev is not None:
-            try:
-                # Mostly done by now (it had this thread's next unit of file IO to run
-                # in); query() keeps the GIL, synchronize() gives it up and waits for it.
-                if not ev.query():
-                    ev.synchronize()
-            except BaseException as e:
-                self.run.fail_fatal(e, self, unit)
-                return None
-            finally:
-                self.end_copy()
-                clock.lap("device")
-        self.finish(unit, failed)
+        try:
+            if p.copy is not None:  # no native call came to launch it
+                copy = self.take_copy(p)
+                if copy is not None:
+                    try:
+                        copy.launch()
+                    except BaseException:
+                        self.copy_not_made(p)
+                        raise
+            if p.event is not None:
+                try:
+                    # Mostly done by now (it had this thread's next unit of file IO to run
+                    # in); query() keeps the GIL, synchronize() gives it up and waits for it.
+                    if not p.event.query():
+                        p.event.synchronize()
+                finally:
+                    self.end_copy()
+                    clock.lap("device")
+        except BaseException as e:
+            self.run.fail_fatal(e, self, p.unit)
+            return None
+        self.finish(p.unit, p.failed)
         return None
 
+    def take_copy(self, p: Optional[_Pending]) -> Any:
+        """``p``'s prepared copy, counted in as running (``p.event`` set), to launch now; None
+        where there is none, or shutdown began (its rows then fail: the blocks are not ours)."""
+        if p is None or p.copy is None:
+            return None
+        copy, p.copy = p.copy, None
+        if not self.begin_copy(p):
+            return None
+        p.event = copy.event
+        return copy
+
+    def copy_not_made(self, p: _Pending) -> None:
+        """A counted-in copy failed to launch: nothing runs, and its rows fail."""
+        p.event = None
+        p.failed = set(range(len(p.unit.slots)))
+        self.end_copy()
+
+    def begin_copy(self, p: _Pending) -> bool:
+        """Count a copy into ``p``'s blocks as running (shutdown waits for it), unless shutdown
+        began: a job it ended as failed must not get device blocks written afterwards."""
+        run = self.run
+        with run.copy_cond:
+            if run.closing:  # released from a hang after shutdown: the blocks are not ours
+                run.metrics.failed(False, "closing", len(p.good))
+                p.failed = set(range(len(p.unit.slots)))
+                return False
+            run.copies += 1
+            return True
+
     def load(self, stream: Any, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], event: Any,
-             clock: StageClock) -> tuple[set[int], Any]:
-        """Read and open a unit, then start its copy to the device; returns (failed, copy event)."""
+             clock: StageClock, prev: Optional[_Pending] = None) -> _Pending:
+        """Read and open a unit, then start (or prepare) its copy to the device. ``prev``'s
+        prepared copy is launched by this unit's native call, before its IO."""
         run, f = self.run, self.file
         # Taken before the IO: a store that rewrote a slot meanwhile fails its check.
         records = [run.records[s] for s in unit.slots]
@@ -96,18 +145,24 @@ class LoadLane(Lane):
         failed = {j for j, r in enumerate(records) if r is None}
         run.metrics.failed(False, "not_stored", len(failed))
         if self.direct and self.native is not None:
-            return self.load_native_into_blocks(unit, records, failed, None, clock), None
+            return _Pending(unit, self.load_native_into_blocks(unit, records, failed, None, clock))
         if self.direct:
-            return self.load_into_blocks(unit, records, failed, clock), None
+            return _Pending(unit, self.load_into_blocks(unit, records, failed, clock))
         host = run.host_blocks
         if self.native is not None and host is not None:
             # One call reads, opens and writes the host blocks: it is this unit's copy.
-            return self.load_native_into_blocks(unit, records, failed, rows, clock), None
+            return _Pending(unit, self.load_native_into_blocks(unit, records, failed, rows, clock))
         read = 0
         if self.native is not None:  # staging, opened in place, then the device copy
             js = [j for j in range(len(unit.slots)) if j not in failed]
             addrs = self.staging_addrs(rows, js)
-            bad, read = self.native.load(unit, js, records, addrs, addrs)
+            first = self.take_copy(prev)
+            try:
+                bad, read = self.native.load(unit, js, records, addrs, addrs, first)
+            except unit_io.DeviceCopyError:
+                if first is not None:
+                    self.copy_not_made(prev)
+                raise
             failed |= bad
             clock.lap("io")
         else:
@@ -124,28 +179,36 @@ class LoadLane(Lane):
         with run.lock:
             run.bytes_read += read * f.slot_bytes
         good = [j for j in range(len(unit.slots)) if j not in failed]
+        p = _Pending(unit, failed, good)
         if not good:
-            return failed, None
-        with run.copy_cond:
-            if run.closing:  # released from a hang after shutdown: the blocks are not ours
-                run.metrics.failed(False, "closing", len(good))
-                return set(range(len(unit.slots))), None
-            run.copies += 1
-        try:
-            if host is None:
-                # Not waited for here: loop() settles it before these staging rows are
-                # read into again (vLLM's trailing-drain fix, one unit later).
-                ev = run.dev.copy_to_device(stream, run.layout, rows, good, [unit.block_ids[j] for j in good], event)
+            return p
+        if host is None:
+            ids = [unit.block_ids[j] for j in good]
+            if self.native is not None and hasattr(run.dev, "native_copy"):
+                # Launched by the next unit's native call (or settle(), if none comes
+                # first), so this thread takes the GIL once per unit.
+                p.copy = run.dev.native_copy(stream, run.layout, ids, rows, good, False, None, event)
+                if p.copy is not None:
+                    return p
+            if self.begin_copy(p):
+                try:
+                    # Not waited for here: loop() settles it before these staging rows are
+                    # read into again (vLLM's trailing-drain fix, one unit later).
+                    p.event = run.dev.copy_to_device(stream, run.layout, rows, good, ids, event)
+                except BaseException:
+                    self.copy_not_made(p)
+                    raise
                 clock.lap("device")
-                return failed, ev
-            # Host blocks: opening each slot into its block is this unit's copy.
-            failed |= self.open_rows(unit, good, set(), records, mv, self.blocks(unit))
+            return p
+        # Host blocks: opening each slot into its block is this unit's copy.
+        if not self.begin_copy(p):
+            return p
+        try:
+            p.failed |= self.open_rows(unit, good, set(), records, mv, self.blocks(unit))
             clock.lap("seal")
-        except BaseException:
+        finally:
             self.end_copy()
-            raise
-        self.end_copy()
-        return failed, None
+        return p
 
     def load_native_into_blocks(self, unit: Unit, records: list[Any], failed: set[int],
                                 rows: Optional[torch.Tensor], clock: StageClock) -> set[int]:

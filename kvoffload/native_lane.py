@@ -61,14 +61,14 @@ class NativeUnits:
         return a
 
     def store(self, unit: Any, js: list[int], bufs: np.ndarray, payloads: np.ndarray,
-              wait: Optional[tuple[int, int]] = None) -> tuple[list[Any], set[int]]:
-        """Seal and write slots ``js`` of ``unit``, after ``wait`` (a device event's
-        ``native_wait``) where given; (their records, the rows that failed)."""
+              copy: Any = None) -> tuple[list[Any], set[int]]:
+        """Seal and write slots ``js`` of ``unit``, after ``copy`` (a ``NativeCopy`` into
+        staging, made and waited for first) where given; (their records, the rows that failed)."""
         a, k = self._fill(unit, js, bufs, payloads), len(js)
         if self.kind == unit_io.SEAL_AES_GCM:
             first = self.lane.run.seal.reserve_nonces(k)
             a.nonce[:k] = np.arange(first, first + k, dtype=np.uint64)
-        self._run(unit, True, a, k, wait)
+        self._run(unit, True, a, k, copy)
         if self.kind == unit_io.SEAL_AES_GCM:
             records = [(first + i, a.tag[i].tobytes()) for i in range(k)]
         else:
@@ -76,26 +76,26 @@ class NativeUnits:
         return records, self._failed(unit, js, a, k)
 
     def load(self, unit: Any, js: list[int], records: list[Any], bufs: np.ndarray,
-             payloads: np.ndarray) -> tuple[set[int], int]:
-        """Read and open slots ``js`` of ``unit`` (records of each); (the rows that failed,
+             payloads: np.ndarray, copy: Any = None) -> tuple[set[int], int]:
+        """Read and open slots ``js`` of ``unit`` (records of each), after launching
+        ``copy`` (a ``NativeCopy``: the previous unit's) where given; (the rows that failed,
         how many slots were read whole). A failed row's payload is left zeroed."""
         a, k = self._fill(unit, js, bufs, payloads), len(js)
         if self.kind == unit_io.SEAL_AES_GCM:
             recs = [records[j] for j in js]
             a.nonce[:k] = [r[0] for r in recs]
             a.tag[:k] = np.frombuffer(b"".join(r[1] for r in recs), np.uint8).reshape(k, unit_io.TAG_BYTES)
-        self._run(unit, False, a, k)
+        self._run(unit, False, a, k, copy)
         status = a.status[:k]
         read = int(((status != unit_io.STATUS_IO_ERROR) & (status != unit_io.STATUS_SHORT)).sum())
         return self._failed(unit, js, a, k), read
 
-    def _run(self, unit: Any, is_store: bool, a: unit_io.UnitArrays, k: int,
-             wait: Optional[tuple[int, int]] = None) -> None:
+    def _run(self, unit: Any, is_store: bool, a: unit_io.UnitArrays, k: int, copy: Any) -> None:
         lane = self.lane
         t0 = time.perf_counter()
         try:
             unit_io.run_unit(self.lib, is_store, self.fns, lane.file.fd, k, a, lane.file.slot_bytes,
-                             lane.run.layout.block_bytes, self.kind, self.key, wait)
+                             lane.run.layout.block_bytes, self.kind, self.key, None if copy is None else copy.c)
         finally:
             unit.io_seconds += time.perf_counter() - t0  # the seals' time is in it too
 

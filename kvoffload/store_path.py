@@ -53,21 +53,23 @@ class StoreLane(Lane):
         run, f = self.run, self.file
         n = len(unit.block_ids)
         host = run.host_blocks
-        wait = None
+        copy = None
         if host is None:
-            ev = run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event, event)
-            # pwritev reads staging from the CPU side: the device copy must be done first;
-            # the native call waits for it itself where the event allows (no GIL taken
-            # between the copy and the write, cuda_driver.py).
-            wait = getattr(ev, "native_wait", None) if self.native is not None else None
-            if wait is None:
-                ev.synchronize()
+            # pwritev reads staging from the CPU side: the device copy must be done first.
+            # Where the device can, the native call launches and waits for it itself, so
+            # the thread takes the GIL once per unit (cuda_driver.py says why that matters).
+            if self.native is not None and hasattr(run.dev, "native_copy"):
+                copy = run.dev.native_copy(stream, run.layout, unit.block_ids, rows, range(n), True,
+                                           unit.wait_event, event)
+            if copy is None:
+                run.dev.copy_to_host(stream, run.layout, unit.block_ids, rows, range(n), unit.wait_event,
+                                     event).synchronize()
         elif unit.wait_event is not None:
             unit.wait_event.synchronize()  # the seal reads the blocks: their writer must be done
         clock.lap("device")
         if self.native is not None:
-            records, failed = self.store_native(unit, rows, wait)
-            clock.lap("io")  # with the copy's wait, where the native call did it
+            records, failed = self.store_native(unit, rows, copy)
+            clock.lap("io")  # with the device copy, where the native call made it
         else:
             records, failed = self.store_python(unit, mv, clock)
         good = [j for j in range(n) if j not in failed]
@@ -77,16 +79,15 @@ class StoreLane(Lane):
             run.bytes_written += len(good) * f.slot_bytes
         return failed
 
-    def store_native(self, unit: Unit, rows: Optional[torch.Tensor], wait: Optional[tuple[int, int]] = None
-                     ) -> tuple[list[Any], set[int]]:
-        """Seal and write the whole unit in one GIL-free call (``unit_io``), after the
-        copy into staging (``wait``) where given."""
+    def store_native(self, unit: Unit, rows: Optional[torch.Tensor], copy: Any = None) -> tuple[list[Any], set[int]]:
+        """Seal and write the whole unit in one GIL-free call (``unit_io``), which first
+        makes ``copy`` (a ``NativeCopy`` into staging) where given."""
         run, js = self.run, list(range(len(unit.slots)))
         for s in unit.slots:
             run.records[s] = None  # invalid until this write is known good
         blocks = None if run.host_blocks is None else self.block_addrs(unit, js)
         bufs = blocks if self.direct else self.staging_addrs(rows, js)
-        return self.native.store(unit, js, bufs, bufs if blocks is None else blocks, wait)
+        return self.native.store(unit, js, bufs, bufs if blocks is None else blocks, copy)
 
     def store_python(self, unit: Unit, mv: Optional[memoryview], clock: StageClock) -> tuple[list[Any], set[int]]:
         """Seal each run of consecutive file slots, then write it, slot by slot in Python."""

@@ -29,8 +29,36 @@
 #include <openssl/evp.h>
 
 typedef ssize_t (*io_fn)(int fd, const struct iovec *iov, int iovcnt, off_t offset);
-/* Waits for the device copy into staging (cuEventSynchronize on CUDA); 0 when done. */
+/* A device copy the call launches before its own work: CUDA driver functions (their
+ * 12.x ABI) and their arguments, filled by cuda_device.py; each returns 0 or a CUresult.
+ * A store's is its blocks' copy into staging, waited for before the seal; a load's is
+ * the previous unit's copy out of staging (launched here, not after that unit's own
+ * call, so the thread needs the GIL once per unit: cuMemcpyBatchAsync of a 16 MiB unit
+ * takes about 0.6 ms, too long to hold the GIL for and too short to give it up for). */
+typedef int (*batch_fn)(void *dsts, void *srcs, void *sizes, size_t count, void *attrs, size_t *attr_idxs,
+                        size_t num_attrs, size_t *fail_idx, void *stream);
+typedef int (*record_fn)(void *event, void *stream);
 typedef int (*wait_fn)(void *event);
+typedef struct {
+    batch_fn batch;
+    record_fn record;
+    wait_fn wait; /* NULL: launched, not waited for */
+    void *dsts, *srcs, *sizes;
+    size_t count;
+    void *attrs;
+    void *stream, *event;
+} kvo_copy;
+
+static int run_copy(const kvo_copy *c) {
+    size_t attr_idx = 0, fail_idx = 0;
+    int rc = c->count ? c->batch(c->dsts, c->srcs, c->sizes, c->count, c->attrs, &attr_idx, 1, &fail_idx, c->stream)
+                      : 0;
+    if (rc == 0)
+        rc = c->record(c->event, c->stream);
+    if (rc == 0 && c->wait != NULL)
+        rc = c->wait(c->event);
+    return rc > 0 ? rc : (rc < 0 ? 1 : 0);
+}
 
 enum { KVO_OK = 0, KVO_IO_ERROR = 1, KVO_SHORT = 2, KVO_INTEGRITY = 3, KVO_CIPHER = 4 };
 enum { KVO_SEAL_OFF = 0, KVO_SEAL_AES_GCM = 1 };
@@ -148,17 +176,16 @@ static int gcm(EVP_CIPHER_CTX *ctx, int enc, const uint8_t *key, uint64_t nonce,
     return KVO_OK;
 }
 
-/* Store ``n`` slots: wait for their copy into staging (``wait``, if given), seal each
- * payload into its buffer, then write them. ``status`` must come in as KVO_OK for every
- * slot. Returns 0, -1 (no memory), or the wait's error code (> 0: nothing was written).
- * The wait is here so that the thread does not take the GIL between the copy and the
- * write: each time it does, the engine's thread may keep it for a switch interval. */
+/* Store ``n`` slots: run ``copy`` (if given: the blocks into staging, waited for), seal
+ * each payload into its buffer, then write them. ``status`` must come in as KVO_OK for
+ * every slot. Returns 0, -1 (no memory), or the copy's CUresult (> 0: nothing was
+ * sealed or written). */
 int kvo_store_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, int64_t payload_bytes,
-                   int seal, const uint8_t *key, wait_fn wait, void *event) {
-    if (wait != NULL) {
-        int rc = wait(event);
+                   int seal, const uint8_t *key, const kvo_copy *copy) {
+    if (copy != NULL) {
+        int rc = run_copy(copy);
         if (rc != 0)
-            return rc > 0 ? rc : 1;
+            return rc;
     }
     EVP_CIPHER_CTX *ctx = seal == KVO_SEAL_AES_GCM ? EVP_CIPHER_CTX_new() : NULL;
     if (seal == KVO_SEAL_AES_GCM && ctx == NULL)
@@ -179,11 +206,17 @@ int kvo_store_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, 
     return 0;
 }
 
-/* Load ``n`` slots: read them, then open each one that read whole into its payload
- * destination. A slot that fails (IO, short, check) leaves zeros there, and in its
- * buffer too when the buffer is a host row (buf == payload). */
+/* Load ``n`` slots: launch ``copy`` (if given: the previous unit's), read them, then open
+ * each one that read whole into its payload destination. A slot that fails (IO, short,
+ * check) leaves zeros there, and in its buffer too when the buffer is a host row
+ * (buf == payload). Returns 0, -1 (no memory), or the copy's CUresult (> 0: no IO done). */
 int kvo_load_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, int64_t payload_bytes,
-                  int seal, const uint8_t *key) {
+                  int seal, const uint8_t *key, const kvo_copy *copy) {
+    if (copy != NULL) {
+        int rc = run_copy(copy);
+        if (rc != 0)
+            return rc;
+    }
     transfer(call, fd, s, n, slot_bytes);
     EVP_CIPHER_CTX *ctx = seal == KVO_SEAL_AES_GCM ? EVP_CIPHER_CTX_new() : NULL;
     if (seal == KVO_SEAL_AES_GCM && ctx == NULL)

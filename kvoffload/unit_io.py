@@ -44,7 +44,6 @@ COMPILE_TIMEOUT_S = 60
 
 IO_FN = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                          use_errno=True)
-WAIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)  # a device event's wait: 0 once it happened
 
 
 class _Iovec(ctypes.Structure):
@@ -54,6 +53,20 @@ class _Iovec(ctypes.Structure):
 class _Slots(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("file_off", "buf", "payload", "nonce", "aad", "tag", "status", "err")]
+
+
+class DeviceCopy(ctypes.Structure):
+    """unit_io.c's ``kvo_copy``: a device copy the call launches before its own work.
+
+    ``batch``, ``record`` and ``wait`` are the addresses of C functions with
+    ``cuMemcpyBatchAsync`` (12.8 ABI), ``cuEventRecord`` and ``cuEventSynchronize``'s
+    signatures (``wait`` 0: not waited for); the rest are their arguments.
+    """
+
+    _fields_ = [("batch", ctypes.c_void_p), ("record", ctypes.c_void_p), ("wait", ctypes.c_void_p),
+                ("dsts", ctypes.c_void_p), ("srcs", ctypes.c_void_p), ("sizes", ctypes.c_void_p),
+                ("count", ctypes.c_size_t), ("attrs", ctypes.c_void_p), ("stream", ctypes.c_void_p),
+                ("event", ctypes.c_void_p)]
 
 
 # -- building and loading -----------------------------------------------------------
@@ -105,11 +118,9 @@ def _load() -> ctypes.CDLL:
     if not lib_path.exists():
         _build(lib_path)
     lib = ctypes.CDLL(str(lib_path))
-    unit = [IO_FN, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Slots), ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int, ctypes.c_char_p]
-    lib.kvo_store_unit.argtypes = unit + [ctypes.c_void_p, ctypes.c_void_p]
-    lib.kvo_load_unit.argtypes = unit
     for fn in (lib.kvo_store_unit, lib.kvo_load_unit):
+        fn.argtypes = [IO_FN, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Slots), ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(DeviceCopy)]
         fn.restype = ctypes.c_int
     return lib
 
@@ -217,27 +228,27 @@ class UnitArrays:
         return cls(slots=slots, **arrays)
 
 
+class DeviceCopyError(RuntimeError):
+    """A device copy launched by ``run_unit`` failed (a device failure: fatal)."""
+
+
 def run_unit(lib: ctypes.CDLL, is_store: bool, fns: tuple[Any, Any], fd: int, n: int, a: UnitArrays,
              slot_bytes: int, payload_bytes: int, seal: int, key: Optional[bytes],
-             wait: Optional[tuple[int, int]] = None) -> None:
+             copy: Optional[DeviceCopy] = None) -> None:
     """Store or load the first ``n`` slots described in ``a``; outcomes land in
     ``a.status``/``a.err`` (and, for stores, ``a.tag``). Releases the GIL throughout.
 
-    ``wait`` (stores only): (address of a C wait function, its event), called first;
-    a failed wait raises ``RuntimeError`` before anything is sealed or written.
+    ``copy`` is launched first (a store's: its blocks into staging, waited for; a
+    load's: the previous unit's out of staging). Where it fails, ``DeviceCopyError``
+    is raised and nothing else was done.
     """
     a.status[:n] = STATUS_OK
     a.err[:n] = 0
-    slots = ctypes.byref(a.slots)
-    if is_store:
-        fn_addr, event = wait if wait is not None else (None, None)
-        rc = lib.kvo_store_unit(fns[1], fd, n, slots, slot_bytes, payload_bytes, seal, key, fn_addr, event)
-    else:
-        if wait is not None:
-            raise ValueError("unit_io: a load's device copy comes after its IO, it has nothing to wait for")
-        rc = lib.kvo_load_unit(fns[0], fd, n, slots, slot_bytes, payload_bytes, seal, key)
+    fn = lib.kvo_store_unit if is_store else lib.kvo_load_unit
+    rc = fn(fns[1] if is_store else fns[0], fd, n, ctypes.byref(a.slots), slot_bytes, payload_bytes, seal, key,
+            None if copy is None else ctypes.byref(copy))
     take_callback_error()
     if rc == -1:
         raise MemoryError("kvoffload unit_io: no memory for a cipher context")
     if rc != 0:
-        raise RuntimeError(f"kvoffload unit_io: waiting for the unit's device copy failed: error {rc}")
+        raise DeviceCopyError(f"kvoffload unit_io: the unit's device copy failed: CUresult {rc}")

@@ -45,15 +45,16 @@ class Unit:
         self.a.aad[: self.n] = slots
         self.in_place = in_place
 
-    def store(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM, wait=None) -> np.ndarray:
+    def store(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM, copy=None) -> np.ndarray:
         a, n = self.a, self.n
         a.buf[:n] = [self.staging[j].ctypes.data for j in range(n)]
         a.payload[:n] = [self.src[j].ctypes.data for j in range(n)]
         unit_io.run_unit(LIB, True, unit_io.io_functions(osc), self.fd, n, a, self.slot, self.payload, seal,
-                         self.key, wait)
+                         self.key, copy)
         return a.status[:n].copy()
 
-    def load(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, osc: OsCalls = OsCalls(), seal: int = unit_io.SEAL_AES_GCM, copy=None
+             ) -> tuple[np.ndarray, np.ndarray]:
         a, n = self.a, self.n
         self.rows[:] = 0x5A  # what the rows held before: must never survive a failed slot
         if self.in_place:
@@ -63,7 +64,7 @@ class Unit:
             a.buf[:n] = [self.staging[j].ctypes.data for j in range(n)]
             a.payload[:n] = [self.rows[j].ctypes.data for j in range(n)]
         unit_io.run_unit(LIB, False, unit_io.io_functions(osc), self.fd, n, a, self.slot, self.payload, seal,
-                         self.key)
+                         self.key, copy)
         return a.status[:n].copy(), self.rows[:, : self.payload]
 
 
@@ -169,51 +170,65 @@ def test_off_seal_copies_without_checks(tmp_path):
     assert (status == 0).all() and (rows == u.src).all()
 
 
-class DeviceCopy:
-    """A device event's ``native_wait`` stand-in: a C-callable wait that fills the
-    staging rows when called (the copy landing) and then returns ``rc``."""
+class StagingCopy:
+    """A store's device copy as unit_io.c launches it: callbacks stand in for the
+    driver's batch copy (here: the payloads land in the source rows), event record and
+    wait; ``rc`` fails the batch with that error code."""
+
+    BATCH = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_size_t, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+    EVENT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
     def __init__(self, u: Unit, rc: int = 0) -> None:
-        self.u, self.rc, self.calls = u, rc, 0
-        self.fn = unit_io.WAIT_FN(self.wait)  # kept alive as long as this object
+        self.u, self.rc, self.calls = u, rc, []
+        self.landed = u.src.copy()
+        u.src[:] = 0  # until the copy, the source holds no KV yet
+        self.fns = (self.BATCH(self.batch), self.RECORD(self.record), self.EVENT(self.wait))  # kept alive
+        addr = [ctypes.cast(f, ctypes.c_void_p).value for f in self.fns]
+        self.c = unit_io.DeviceCopy(batch=addr[0], record=addr[1], wait=addr[2], count=1, event=1234)
 
-    def wait(self, event: int) -> int:
-        assert event == 1234
-        self.calls += 1
-        if self.rc == 0:  # only now are the payloads there to seal
+    def batch(self, *args) -> int:
+        self.calls.append("batch")
+        if self.rc == 0:
             self.u.src[:] = self.landed
         return self.rc
 
-    def native_wait(self) -> tuple[int, int]:
-        self.landed = self.u.src.copy()
-        self.u.src[:] = 0  # until the wait, the source holds no KV yet
-        return ctypes.cast(self.fn, ctypes.c_void_p).value, 1234
+    def record(self, event, stream) -> int:
+        self.calls.append("record")
+        return 0
+
+    def wait(self, event) -> int:
+        assert event == 1234
+        self.calls.append("wait")
+        return 0
 
 
-def test_a_store_waits_for_its_device_copy_inside_the_call(tmp_path):
-    # Goal: a store's wait for its copy into staging runs in the same GIL-free call,
-    # once, before any slot is sealed: what is written is what the copy brought.
+def test_a_store_makes_and_waits_for_its_device_copy_inside_the_call(tmp_path):
+    # Goal: a store's copy into staging is launched, recorded and waited for in the
+    # same GIL-free call, once, before any slot is sealed: what is written is what the
+    # copy brought.
     u = Unit(tmp_path, [0, 1, 2])
-    copy = DeviceCopy(u)
-    assert (u.store(wait=copy.native_wait()) == 0).all()
-    assert copy.calls == 1
+    copy = StagingCopy(u)
+    assert (u.store(copy=copy.c) == 0).all()
+    assert copy.calls == ["batch", "record", "wait"]
     status, rows = u.load()
     assert (status == 0).all() and (rows == copy.landed).all() and rows.any()
 
 
-def test_a_failed_device_wait_fails_the_unit_before_any_write(tmp_path):
-    # Goal: the device failed (the wait's error code): the call raises, nothing was
-    # sealed or written (the file's slots are still what they were).
+def test_a_failed_device_copy_fails_the_unit_before_any_io(tmp_path):
+    # Goal: the device failed (the batch's error code): the call raises, nothing was
+    # sealed or written (the file's slots are still zeros), and a load does no IO.
     u = Unit(tmp_path, [0, 1])
     osc = FaultyOsCalls()
-    copy = DeviceCopy(u, rc=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
-    with pytest.raises(RuntimeError, match="device copy failed: error 700"):
-        u.store(osc, wait=copy.native_wait())
-    assert copy.calls == 1 and osc.calls["pwritev"] == 0
+    copy = StagingCopy(u, rc=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(unit_io.DeviceCopyError, match="CUresult 700"):
+        u.store(osc, copy=copy.c)
+    assert copy.calls == ["batch"] and osc.calls["pwritev"] == 0
     assert os.pread(u.fd, 2 * SLOT, 0) == bytes(2 * SLOT)
-    with pytest.raises(ValueError, match="nothing to wait for"):
-        unit_io.run_unit(LIB, False, unit_io.io_functions(OsCalls()), u.fd, u.n, u.a, SLOT, PAYLOAD,
-                         unit_io.SEAL_AES_GCM, u.key, copy.native_wait())
+    with pytest.raises(unit_io.DeviceCopyError):
+        u.load(osc, copy=copy.c)
+    assert osc.calls["preadv"] == 0
 
 
 def test_the_unit_runs_without_the_gil(tmp_path):

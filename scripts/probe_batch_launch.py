@@ -1,13 +1,14 @@
-"""How long a device copy's launch holds the GIL now that it keeps it (cuda_driver.py).
+"""How long one ``cuMemcpyBatchAsync`` of an IO unit takes: what holding the GIL for it would cost.
 
 Each thread, on its own stream, launches units of ``--rows`` 2 MiB llama blocks
-(64 x 32 KiB pieces, one DMA descriptor each: 512 per 16 MiB unit) through
-``CudaDevice.copy_to_host`` / ``copy_to_device`` with its reused ``DriverEvent``, and
-times the launch call alone (descriptors, ``cuMemcpyBatchAsync``, ``cuEventRecord``:
-all with the GIL held), then waits for the copy. Any other thread of the process,
-the engine's included, can be kept waiting for that long. Prints the launch's
-median, 99th percentile and maximum in microseconds, and the GiB/s moved.
-Run on the GPU host: ``PYTHONPATH=. python3 scripts/probe_gil_held_launch.py``.
+(64 x 32 KiB pieces, one DMA descriptor each: 512 per 16 MiB unit) with the
+descriptors the backend builds, records its ``DriverEvent`` and waits for the copy.
+The batch call is made with the GIL held (``ctypes.PYFUNCTYPE``), so its timing is the
+driver's alone, not a wait for the GIL, and any other thread of the process, the
+engine's included, would be kept waiting that long. Prints the call's median, 99th
+percentile and maximum in microseconds, and the GiB/s moved. (cuda_driver.py: why
+the backend gives the GIL up for this call, or makes it inside unit_io's call.)
+Run on the GPU host: ``PYTHONPATH=. python3 scripts/probe_batch_launch.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import torch
 
 from kvoffload.bench.ceilings import run_threads
 from kvoffload.cuda_device import CudaDevice
-from kvoffload.device import BlockLayout, alloc_host, resolve_device
+import ctypes
+
+from kvoffload.cuda_driver import _PROTOS
+from kvoffload.device import BlockLayout, alloc_host, piece_descriptors, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
 SLOT = 2 * MiB
@@ -46,19 +50,25 @@ def main() -> int:
         dev.pin(s)
     views = [s.view(a.rows, SLOT) for s in staging]
 
+    drv = dev._driver
+    held = ctypes.PYFUNCTYPE(*_PROTOS["cuMemcpyBatchAsync"][1])(drv.addresses["cuMemcpyBatchAsync"])
+
     def body(to_host: bool, k: int, deadline: float) -> list[float]:
         stream = dev.bind_thread(None, layout, a.rows, to_host=to_host)
         ev = dev.new_event()
+        attr = dev._attr_store if to_host else dev._attr_load
         rng = np.random.default_rng(k)
         launches = []
+        fail, idx = ctypes.c_size_t(0), ctypes.c_size_t(0)
         while time.perf_counter() < deadline:
             ids = [int(b) for b in rng.choice(n_blocks, a.rows, replace=False)]
+            dsts, srcs, sizes = piece_descriptors(layout, ids, views[k], range(a.rows), to_host)
             t0 = time.perf_counter()
-            if to_host:
-                dev.copy_to_host(stream, layout, ids, views[k], range(a.rows), None, ev)
-            else:
-                dev.copy_to_device(stream, layout, views[k], range(a.rows), ids, ev)
+            rc = held(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), ctypes.byref(attr),
+                      ctypes.byref(idx), 1, ctypes.byref(fail), stream.cuda_stream)
             launches.append(time.perf_counter() - t0)
+            assert rc == 0, rc
+            ev.record(stream)
             ev.synchronize()
         return launches
 
@@ -72,7 +82,7 @@ def main() -> int:
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
     for s in staging:
         dev.unpin(s)
-    print(f"\nlaunch with the GIL held on {torch.cuda.get_device_name()}, units of {a.rows} x 2 MiB, {a.seconds} s each")
+    print(f"\ncuMemcpyBatchAsync (GIL held) on {torch.cuda.get_device_name()}, units of {a.rows} x 2 MiB, {a.seconds} s each")
     print(f"{'dir':<4} {'thr':>4} {'calls':>6} {'p50 us':>8} {'p99 us':>8} {'max us':>8} {'GiB/s':>7}")
     for d, t, n, p50, p99, mx, g in rows:
         print(f"{d:<4} {t:>4} {n:>6} {p50:8.1f} {p99:8.1f} {mx:8.1f} {g:7.2f}")

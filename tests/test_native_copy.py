@@ -1,0 +1,177 @@
+"""Device copies launched inside unit_io's GIL-free call, on CPU.
+
+On CUDA (``CudaDevice.native_copy``) a store's copy into staging is launched and
+waited for inside its unit's call, and a load's copy out of staging is launched by
+the next unit's call, so an IO thread takes the GIL once per unit. Here a CPU device
+offers the same ``native_copy`` with C-callable callbacks in place of the driver's
+``cuMemcpyBatchAsync``/``cuEventRecord``/``cuEventSynchronize``, so the lanes' logic
+around it (deferral, shutdown, a failed launch) runs in CI; ``pytest -m cuda`` runs the
+driver's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from faults import FaultyOsCalls
+from kvoffload import BackendFatalError, unit_io
+from kvoffload.device import CpuDevice, piece_descriptors
+from tests.conftest import make_caches, snapshot
+from tests.test_disk_backend import run_job, start
+
+pytestmark = pytest.mark.skipif(unit_io.library() is None, reason=f"unit_io unavailable: {unit_io.why_unavailable()}")
+
+BATCH = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def _addr(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class Recorded:
+    """A copy's event: recorded once the copy ran (callbacks copy synchronously)."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CallbackCopy:
+    """``NativeCopy``'s shape: ``c`` for unit_io, ``event``, and ``launch()`` from Python."""
+
+    def __init__(self, dev: "CallbackCopyDevice", arrays, event: Recorded, wait: bool) -> None:
+        self.dev, self.arrays, self.event = dev, arrays, event
+        token = dev.register(event)
+        dsts, srcs, sizes = arrays
+        self.c = unit_io.DeviceCopy(batch=_addr(dev.batch_fn), record=_addr(dev.record_fn),
+                                    wait=_addr(dev.wait_fn) if wait else None, dsts=dsts.ctypes.data,
+                                    srcs=srcs.ctypes.data, sizes=sizes.ctypes.data, count=len(sizes),
+                                    attrs=None, stream=None, event=token)
+
+    def launch(self) -> Recorded:
+        self.dev.python_launches += 1
+        dsts, srcs, sizes = self.arrays
+        self.dev.move(dsts, srcs, sizes)
+        self.event.recorded += 1
+        return self.event
+
+
+class CallbackCopyDevice(CpuDevice):
+    """CpuDevice with ``native_copy``: C calls back here to move the pieces."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: dict[int, Recorded] = {}
+        self.c_launches = self.python_launches = self.waits = 0
+        self.fail_batch = 0  # a CUresult to fail the next launches with
+        self.batch_fn, self.record_fn, self.wait_fn = BATCH(self._batch), RECORD(self._record), WAIT(self._wait)
+
+    def register(self, event: Recorded) -> int:
+        with self.lock:
+            token = len(self.events) + 1
+            self.events[token] = event
+        return token
+
+    def new_event(self) -> Recorded:
+        return Recorded()
+
+    def native_copy(self, stream, layout, block_ids, host, rows, to_host, wait_event=None, event=None):
+        if to_host and wait_event is not None:
+            wait_event.synchronize()
+        return CallbackCopy(self, piece_descriptors(layout, block_ids, host, rows, to_host),
+                            event if event is not None else Recorded(), wait=to_host)
+
+    @staticmethod
+    def move(dsts, srcs, sizes) -> None:
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    def _batch(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, stream) -> int:
+        if self.fail_batch:
+            return self.fail_batch
+        arr = [np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(p)) for p in (dsts, srcs, sizes)]
+        self.move(*arr)
+        with self.lock:
+            self.c_launches += 1
+        return 0
+
+    def _record(self, event, stream) -> int:
+        self.events[event].recorded += 1
+        return 0
+
+    def _wait(self, event) -> int:
+        with self.lock:
+            self.waits += 1
+        return 0 if self.events[event].recorded else 999  # waited for before it was launched
+
+
+def test_copies_run_inside_the_units_calls_and_move_exact_bytes(tmp_path):
+    # Goal: with one IO thread per lane and 8 units per job, every store's copy is
+    # made and waited for inside its own call, and every load's copy but the last is
+    # launched by the next unit's call; the bytes come back exact.
+    caches = make_caches("cpu", 16, [4096, 8192])
+    dev = CallbackCopyDevice()
+    b = start(caches, "cpu", tmp_path, num_slots=32, io_threads=1, io_unit_bytes=2 * 12288, device_impl=dev,
+              native_io=True)
+    try:
+        want, ev = snapshot(caches), []
+        assert run_job(b, list(range(16)), list(range(16, 32)), True, ev).ok
+        assert (dev.c_launches, dev.waits, dev.python_launches) == (8, 8, 0)
+        for t in caches.values():
+            t.fill_(7)
+        assert run_job(b, list(range(16, 32)), list(range(16)), False, ev, 1).ok
+        # Each unit's copy launched by the next one's call; the last by settle(), from Python.
+        assert (dev.c_launches - 8, dev.python_launches) == (7, 1)
+        for k in caches:
+            assert torch.equal(caches[k], want[k]), k
+    finally:
+        b.shutdown()
+
+
+def test_a_load_copy_that_fails_to_launch_fails_its_job(tmp_path):
+    # Goal: the deferred launch inside the next unit's call fails (a device error): the
+    # backend turns fatal, and the job is reported failed, not complete with blocks
+    # that were never written.
+    caches = make_caches("cpu", 8, [4096])
+    dev = CallbackCopyDevice()
+    b = start(caches, "cpu", tmp_path, num_slots=16, io_threads=1, io_unit_bytes=2 * 4096, device_impl=dev,
+              native_io=True)
+    try:
+        ev = []
+        assert run_job(b, list(range(8)), list(range(8)), True, ev).ok
+        caches["layer0"].fill_(7)
+        dev.fail_batch = 700
+        b.launch_copy(list(range(8)), list(range(8)), False, 1, ev)
+        with pytest.raises(BackendFatalError, match="700"):
+            ev[-1][1].synchronize(timeout=10)
+        assert bool((caches["layer0"] == 7).all())  # no block written
+    finally:
+        b.shutdown()
+
+
+def test_a_store_copy_that_fails_writes_nothing(tmp_path):
+    caches = make_caches("cpu", 4, [4096])
+    dev, osc = CallbackCopyDevice(), FaultyOsCalls()
+    b = start(caches, "cpu", tmp_path, num_slots=8, io_threads=1, device_impl=dev, native_io=True, os_calls=osc)
+    try:
+        dev.fail_batch = 700
+        ev = []
+        b.launch_copy([0, 1], [0, 1], True, 0, ev)
+        with pytest.raises(BackendFatalError, match="700"):
+            ev[-1][1].synchronize(timeout=10)
+        assert osc.calls["pwritev"] == 0
+    finally:
+        b.shutdown()
