@@ -14,6 +14,7 @@
 # (AES-GCM unless the case says) read into staging and read into the rows (--direct-io both), and fs-core
 # (vLLM's fs IO; the row says C or Python) on as many drives, one fs tier per drive:
 #   drives4   4 drives, 2 MiB chunks, 16 GiB           drives4-off  the same, no seal (the cipher's share)
+#   drives4-u16  the same with 16 MiB IO units (the GPU backend's; the engine issue's busy-engine runs)
 #   drive1    1 drive, 2 MiB chunks, 6 GiB (fs writes each round to new files: 12 GiB on the drive)
 #   small4    4 drives, 256 KiB chunks, 4 GiB          small1       1 drive, 256 KiB chunks, 3 GiB
 #   disk      the machine's own disk (the current directory), 2 MiB chunks, 4 GiB
@@ -72,6 +73,7 @@ for case in "${CASES[@]}"; do
     case $case in
         drives4) args=("${four[@]}" --gib "$(scale 16)") ;;
         drives4-off) args=("${four[@]}" --gib "$(scale 16)" --seal off) ;;
+        drives4-u16) args=("${four[@]}" --gib "$(scale 16)" --io-unit-mib 16) ;;
         drive1) args=("${one[@]}" --gib "$(scale 6)") ;;
         small4) args=("${four[@]}" --gib "$(scale 4)" --chunk-mib 0.25) ;;
         small1) args=("${one[@]}" --gib "$(scale 3)" --chunk-mib 0.25) ;;
