@@ -26,9 +26,9 @@ MiB = 1 << 20
 KVOFFLOAD_IO_THREADS = 8
 KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
-# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES) moves smaller units:
-# with no GPU copy, a thread's staging then stays in the CPU caches. A test keeps it equal.
-KVOFFLOAD_TIER_IO_UNIT_BYTES = 4 * MiB
+# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES): the same 16 MiB units
+# since they were measured in a busy engine. A test keeps it equal.
+KVOFFLOAD_TIER_IO_UNIT_BYTES = 16 * MiB
 KINDS = ("cpu", "disk", "vllm-disk")
 MAX_OPTION = 1024  # threads=, ios-per-thread=, paths=
 # Options each kind accepts; a flag that would do nothing is refused.
