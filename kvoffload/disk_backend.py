@@ -209,7 +209,7 @@ class DiskBackend:
                 num_disk_slots, total_block_bytes, len(paths), threads,
                 run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
-                "native units" if why_not is None else f"Python units ({why_not})",
+                f"native units ({unit_io.crypto_version()})" if why_not is None else f"Python units ({why_not})",
             )
         except BaseException:
             self.shutdown()

@@ -149,6 +149,18 @@ def why_unavailable() -> Optional[str]:
     return _WHY_NOT
 
 
+def crypto_version() -> Optional[str]:
+    """The OpenSSL the library's AES-GCM runs on (its libcrypto), or None without the
+    library. Said at start-up: an older libcrypto than cryptography's can seal several
+    times slower per core (docs/vllm_tiering.md)."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.OpenSSL_version  # libcrypto's, found through the library's own dependencies
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_char_p
+    return fn(0).decode(errors="replace")
+
+
 # -- the OS seam as C function pointers ---------------------------------------------
 
 

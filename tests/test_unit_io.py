@@ -231,6 +231,11 @@ def test_a_failed_device_copy_fails_the_unit_before_any_io(tmp_path):
     assert osc.calls["preadv"] == 0
 
 
+def test_the_libcrypto_in_use_is_named():
+    # Its AES-GCM sets the native path's CPU per byte; the start-up line names it.
+    assert unit_io.crypto_version().startswith("OpenSSL ")
+
+
 def test_the_unit_runs_without_the_gil(tmp_path):
     # Goal: a Python thread keeps running while one unit is in C: 64 slots of 1 MiB
     # sealed and written in one call, far longer than the 5 ms switch interval. Were the
