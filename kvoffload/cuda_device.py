@@ -14,8 +14,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
 from kvoffload import unit_io
+from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
 from kvoffload.cuda_gather import FusedPieces, load_fused
 from kvoffload.device import BlockLayout, DeviceEvent, copy_rows, piece_descriptors
 

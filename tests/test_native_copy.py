@@ -12,14 +12,16 @@ driver's own.
 from __future__ import annotations
 
 import ctypes
+import errno
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from faults import FaultyOsCalls
-from kvoffload import BackendFatalError, unit_io
+from faults import Fault, FaultyOsCalls
+from kvoffload import BackendFatalError, LeakedFdWarning, unit_io
 from kvoffload.device import CpuDevice, piece_descriptors
 from tests.conftest import make_caches, snapshot
 from tests.test_disk_backend import run_job, start
@@ -175,3 +177,53 @@ def test_a_store_copy_that_fails_writes_nothing(tmp_path):
         assert osc.calls["pwritev"] == 0
     finally:
         b.shutdown()
+
+
+def test_a_failed_read_of_the_next_unit_still_delivers_the_previous_one(tmp_path):
+    # Goal: the previous unit's copy is launched before the next unit's reads, so an
+    # EIO in those reads fails only the next unit's rows: the job reports exactly them.
+    caches = make_caches("cpu", 8, [4096])
+    dev = CallbackCopyDevice()
+    osc = FaultyOsCalls()
+    b = start(caches, "cpu", tmp_path, num_slots=16, io_threads=1, io_unit_bytes=4 * 4096, device_impl=dev,
+              native_io=True, os_calls=osc)
+    try:
+        want, ev = snapshot(caches), []
+        assert run_job(b, list(range(8)), list(range(8)), True, ev).ok
+        caches["layer0"].fill_(7)
+        osc.fail_from("preadv", osc.calls["preadv"] + 2, Fault.error(errno.EIO))  # the second unit's reads, retries too
+        assert not run_job(b, list(range(8)), list(range(8)), False, ev, 1).ok
+        assert b.get_block_ids_with_load_errors() == {4, 5, 6, 7}
+        assert torch.equal(caches["layer0"][:4], want["layer0"][:4])
+        assert bool((caches["layer0"][4:] == 7).all())
+    finally:
+        b.shutdown()
+
+
+def test_a_copy_prepared_when_shutdown_begins_never_writes_the_blocks(tmp_path):
+    # Goal: the first unit's read hangs; shutdown ends the job as failed and gives up on
+    # the thread. Released later, the thread must not launch that unit's copy: the
+    # device blocks may belong to someone else by then.
+    caches = make_caches("cpu", 8, [4096])
+    dev = CallbackCopyDevice()
+    release = threading.Event()
+    osc = FaultyOsCalls()
+    b = start(caches, "cpu", tmp_path, num_slots=16, io_threads=1, io_unit_bytes=4 * 4096, device_impl=dev,
+              native_io=True, os_calls=osc, join_timeout=0.3)
+    ev = []
+    assert run_job(b, list(range(4)), list(range(4)), True, ev).ok
+    caches["layer0"].fill_(7)
+    launches = dev.c_launches + dev.python_launches
+    osc.fail_nth("preadv", osc.calls["preadv"] + 1, Fault.hang(release, timeout=30))
+    b.launch_copy(list(range(4)), list(range(4)), False, 1, ev)
+    assert osc.hang_entered.wait(10)
+    with pytest.warns(LeakedFdWarning):
+        b.shutdown()
+    assert ev[-1][1].query() and not ev[-1][1].ok
+    release.set()
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kvoffload-load")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert dev.c_launches + dev.python_launches == launches  # the prepared copy was never made
+    assert bool((caches["layer0"] == 7).all())
