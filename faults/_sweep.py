@@ -101,15 +101,19 @@ def standard_workload(ck: KvChecker) -> None:
 
 
 def start_backend(osc, directory: Path, named: bool, device="cpu", use_page_cache=False, caches=None):
+    """The workload's backend; ``device``: "cpu", "cuda", or a device implementation
+    (``device_impl``) over CPU tensors."""
     from kvoffload import DiskBackend
 
+    impl, device = (None, device) if isinstance(device, str) else (device, "cpu")
     caches = caches if caches is not None else make_caches(device, NUM_BLOCKS, TENSOR_BYTES)
     b = DiskBackend()
     slot = sum(TENSOR_BYTES) if use_page_cache else SLOT_BYTES_DIRECT
     b.init(
         caches, device, None, None, str(directory / "kv.bin"), NUM_SLOTS, sum(TENSOR_BYTES),
         use_page_cache=use_page_cache, named_file=named, io_threads=1, io_unit_bytes=IO_UNIT_SLOTS * slot,
-        join_timeout=10.0, os_calls=osc, report_load_errors=True, capacity_bytes=NUM_SLOTS * SLOT_BYTES_DIRECT)
+        join_timeout=10.0, os_calls=osc, report_load_errors=True, capacity_bytes=NUM_SLOTS * SLOT_BYTES_DIRECT,
+        device_impl=impl)
     return b, caches
 
 

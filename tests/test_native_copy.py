@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from faults import Fault, FaultyOsCalls
-from kvoffload import BackendFatalError, LeakedFdWarning, unit_io
+from faults import Fault, FaultyOsCalls, sweep
+from faults._sweep import BACKGROUND, SITES
+from kvoffload import BackendFatalError, LeakedFdWarning, native_lane, unit_io
 from kvoffload.device import CpuDevice, piece_descriptors
 from tests.conftest import make_caches, snapshot
 from tests.test_disk_backend import run_job, start
@@ -227,3 +228,16 @@ def test_a_copy_prepared_when_shutdown_begins_never_writes_the_blocks(tmp_path):
         time.sleep(0.01)
     assert dev.c_launches + dev.python_launches == launches  # the prepared copy was never made
     assert bool((caches["layer0"] == 7).all())
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(native_lane.from_environment() is False, reason="the native path is turned off")
+@pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
+@pytest.mark.parametrize("call,fault", [(c, f) for c, fs in SITES.items() if c in ("pwritev", "preadv") for f in fs],
+                         ids=lambda x: repr(x).replace(" ", ""))
+def test_the_data_call_sweep_holds_with_copies_in_the_native_call(cache_dir, ledger, call, fault, persistent):
+    # Goal: every single fault of every data call, at every occurrence, against the
+    # model, with store copies made and load copies launched inside unit_io's calls.
+    dev = CallbackCopyDevice()
+    outs = sweep(cache_dir, False, call, fault, persistent, BACKGROUND.get(call, ()), device=dev)
+    assert len(outs) >= 8 and dev.c_launches > 0
