@@ -123,13 +123,20 @@ class LoadLane(Lane):
         self.end_copy()
 
     def begin_copy(self, p: _Pending) -> bool:
-        """Count a copy into ``p``'s blocks as running (shutdown waits for it), unless shutdown
-        began: a job it ended as failed must not get device blocks written afterwards."""
+        """``enter_copy`` for ``p``'s copy; where shutdown began, all its rows fail."""
+        if self.enter_copy(len(p.good)):
+            return True
+        p.failed = set(range(len(p.unit.slots)))
+        return False
+
+    def enter_copy(self, rows: int) -> bool:
+        """Count a write of ``rows`` blocks as running (shutdown waits for it), unless shutdown
+        began (those rows then count as failed by it): a job it ended as failed must not get
+        its blocks written afterwards."""
         run = self.run
         with run.copy_cond:
             if run.closing:  # released from a hang after shutdown: the blocks are not ours
-                run.metrics.failed(False, "closing", len(p.good))
-                p.failed = set(range(len(p.unit.slots)))
+                run.metrics.failed(False, "closing", rows)
                 return False
             run.copies += 1
             return True
@@ -223,11 +230,8 @@ class LoadLane(Lane):
         js = [j for j in range(len(unit.slots)) if j not in failed]
         if not js:
             return failed
-        with run.copy_cond:
-            if run.closing:  # shutdown ended this job: its blocks are not ours to write
-                run.metrics.failed(False, "closing", len(js))
-                return set(range(len(unit.slots)))
-            run.copies += 1
+        if not self.enter_copy(len(js)):
+            return set(range(len(unit.slots)))
         try:
             blocks = self.block_addrs(unit, js)
             bad, read = self.native.load(unit, js, records, blocks if rows is None else self.staging_addrs(rows, js),
@@ -256,10 +260,8 @@ class LoadLane(Lane):
         run = self.run
         blocks = self.blocks(unit)
         span = self.span(None, blocks)
-        with run.copy_cond:
-            if run.closing:  # shutdown ended this job: its blocks are not ours to write
-                return set(range(len(unit.slots)))
-            run.copies += 1
+        if not self.enter_copy(len(unit.slots) - len(failed)):
+            return set(range(len(unit.slots)))
         read = 0
         try:
             for j0, j1 in units_of(unit.local, skip=failed):
