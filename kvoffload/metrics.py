@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -145,6 +145,15 @@ def merge(dst: dict[str, Any], src: Mapping[str, Any]) -> dict[str, Any]:
             else:
                 raise ValueError(f"unknown metric type {kind!r} for {name}")
     return dst
+
+
+def combine(parts: Iterable[Optional[Mapping[str, Any]]]) -> Optional[dict[str, Any]]:
+    """One payload of ``parts`` merged (``None`` parts skipped); None when none holds data."""
+    out = new_payload()
+    for p in parts:
+        if p:
+            merge(out, p)
+    return out if out["data"] else None
 
 
 def reduce(payload: Mapping[str, Any]) -> dict[str, float]:

@@ -523,10 +523,8 @@ def _build_connector_class() -> type:
         def get_kv_connector_stats(self):
             """vLLM's simple-offload stats (scheduler side) and kvoffload's: hits and slots on
             the scheduler, the disk's counters on each worker (vLLM sums them over ranks)."""
-            parts = []
             base = super().get_kv_connector_stats()
-            if base is not None:
-                parts.append(base.data)
+            parts = [None if base is None else base.data]
             mgr = getattr(self, "scheduler_manager", None)
             if mgr is not None and self.offload.disk_mode:
                 pool = mgr.cpu_block_pool
@@ -535,13 +533,8 @@ def _build_connector_class() -> type:
             backend = self._disk_backend()
             if backend is not None:
                 parts.append(backend.take_metrics())
-            parts = [p for p in parts if p]
-            if not parts:
-                return None
-            stats = KvoffloadStats()
-            for p in parts:
-                metrics.merge(stats.data, p)
-            return stats
+            data = metrics.combine(parts)
+            return None if data is None else KvoffloadStats(data=data)
 
         @classmethod
         def build_kv_connector_stats(cls, data=None):

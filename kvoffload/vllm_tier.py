@@ -294,11 +294,7 @@ class SlotTier:
     def take_metrics(self) -> Optional[dict[str, Any]]:
         """The backend's metrics and the tier's (hits, slots) since the last call, as vLLM's
         stats payload (``kvoffload.metrics``); None when nothing changed."""
-        out = metrics.new_payload()
-        for p in (self.backend.take_metrics(), self.hits.take(self.pool.num_cached(), self.pool.num_slots)):
-            if p:
-                metrics.merge(out, p)
-        return out if out["data"] else None
+        return metrics.combine((self.backend.take_metrics(), self.hits.take(self.pool.num_cached(), self.pool.num_slots)))
 
     def _chunk_map(self, job_id: int, keys: Sequence[Hashable], chunk_ids: Sequence[int]) -> dict[Hashable, int]:
         """Each key's primary row; a malformed job is refused before the pool is touched."""
