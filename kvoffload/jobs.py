@@ -5,8 +5,11 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
+
+import numpy as np
+import torch
 
 
 class BackendFatalError(RuntimeError):
@@ -37,7 +40,7 @@ class JobEvent:
     ``synchronize``, so the engine stops loudly instead of computing on stale KV.
     """
 
-    __slots__ = ("_done", "_lock", "ok", "_raise", "completion")
+    __slots__ = ("_done", "_lock", "ok", "_raise", "completion", "_callbacks")
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -45,6 +48,7 @@ class JobEvent:
         self.ok: Optional[bool] = None
         self._raise: Optional[BaseException] = None
         self.completion = 0  # position in the process-wide completion order; 0 while pending
+        self._callbacks: list[Callable[[], None]] = []
 
     @property
     def done(self) -> bool:
@@ -66,6 +70,18 @@ class JobEvent:
             raise TimeoutError(f"job not complete after {timeout} s")
         self.query()
 
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the job is over: now if it is, else in the thread that ends it.
+
+        So a poller can collect finished jobs without looking at every open one
+        (``SlotTier.poll``); ``fn`` must be short and must not raise.
+        """
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
     def complete(self, ok: bool, error: Optional[BaseException] = None) -> bool:
         """End the job once; later calls are ignored. Returns whether this call ended it.
 
@@ -78,11 +94,17 @@ class JobEvent:
             self._raise = error
             self.completion = next(_COMPLETIONS)
             self._done.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+        return True
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("ok" if self.ok else "failed")
         return f"JobEvent({state})"
+
+
+_INTEGER_DTYPES = frozenset(f"{u}int{n}" for u in ("", "u") for n in (8, 16, 32, 64))
 
 
 def block_ids(what: str, ids: Any) -> list[int]:
@@ -93,6 +115,10 @@ def block_ids(what: str, ids: Any) -> list[int]:
         raise TypeError(f"{what} must be an ordered sequence of block ids, got {type(ids).__name__}")
     if getattr(ids, "ndim", 1) != 1:
         raise TypeError(f"{what} must be one-dimensional, got shape {tuple(ids.shape)}")
+    if type(ids) in (np.ndarray, torch.Tensor) and str(ids.dtype).removeprefix("torch.") in _INTEGER_DTYPES:
+        return ids.tolist()  # an integer array: every element is an int, no need to look at each
+    if type(ids) is list and all(type(i) is int for i in ids):
+        return list(ids)  # the scheduler's usual form, checked in one C-level pass
     if hasattr(ids, "tolist"):  # numpy and torch: elements become Python numbers
         ids = ids.tolist()
     out = []
@@ -126,9 +152,9 @@ def check_job(
         raise ValueError(f"src_blocks has {len(src)} ids, dst_blocks has {len(dst)}")
     dev, slots = (src, dst) if is_store else (dst, src)
     for what, ids, limit in (("device block", dev, num_device_blocks), ("slot", slots, num_slots)):
-        for i in ids:
-            if not 0 <= i < limit:
-                raise ValueError(f"{what} id {i} out of range [0, {limit})")
+        if ids and (min(ids) < 0 or max(ids) >= limit):  # one C-level pass per side for a good job
+            bad = next(i for i in ids if not 0 <= i < limit)
+            raise ValueError(f"{what} id {bad} out of range [0, {limit})")
     if len(set(dst)) != len(dst):
         raise ValueError(f"a {'slot' if is_store else 'device block'} appears twice among the destinations of one job")
     return dev, slots

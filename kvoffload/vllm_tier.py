@@ -23,7 +23,9 @@ first lookup (module ``__getattr__``), so importing this module never imports vL
 
 from __future__ import annotations
 
+import collections
 import difflib
+import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -214,6 +216,7 @@ class SlotTier:
             device_impl=HostDevice(cfg.direct_io), **extra,
         )
         self._jobs: dict[int, _Job] = {}
+        self._done_ids: collections.deque[int] = collections.deque()  # appended by IO threads
         self._finished: list[FinishedJob] = []  # ended without IO, not yet reported
         # Failures the backend reported for jobs not yet seen done (kept until they are).
         self._load_errors: set[int] = set()
@@ -261,14 +264,15 @@ class SlotTier:
 
     def poll(self) -> list[FinishedJob]:
         """Jobs finished since the last call; never blocks."""
-        done = [job for job in self._jobs.values() if job.event.done]
+        # Ids the jobs' events pushed as they ended: a poll costs what finished, not what is open.
+        done = [job for job in (self._jobs.pop(self._done_ids.popleft(), None) for _ in range(len(self._done_ids)))
+                if job is not None]
         if done:
             # Read after the events: a job's failures are recorded before it completes.
             self._load_errors |= self.backend.get_block_ids_with_load_errors()
             self._failed_slots |= self.backend.get_failed_store_slots()
         out, self._finished = self._finished, []
         for job in done:
-            del self._jobs[job.job_id]
             out.append(self._resolve(job))
         return out
 
@@ -321,6 +325,7 @@ class SlotTier:
             self._finished.append(self._resolve(job))
             return
         job.event = events[-1][1]
+        job.event.add_done_callback(functools.partial(self._done_ids.append, job.job_id))
         self._jobs[job.job_id] = job
 
     def _resolve(self, job: _Job) -> FinishedJob:
