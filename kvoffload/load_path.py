@@ -49,8 +49,14 @@ class LoadLane(Lane):
         buffers = views or [(None, None, None)]  # a direct lane reads into the blocks: no staging
         turn = 0
         pending: Optional[_Pending] = None
+        left: Optional[Unit] = None  # taken by gather() but not in its batch
+        stop = False  # gather() took this thread's stop sentinel
         while True:
-            if pending is None:
+            if left is not None:
+                unit, left = left, None
+            elif stop:
+                unit = None
+            elif pending is None:
                 unit = self.queue.get()
             else:
                 try:
@@ -62,6 +68,7 @@ class LoadLane(Lane):
             if unit is None:
                 self.settle(pending, clock)
                 return
+            unit, left, stop = self.gather(unit)
             if self.refuse_if_closing(unit):
                 continue
             rows, mv, event = buffers[turn]

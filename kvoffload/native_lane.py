@@ -58,6 +58,10 @@ class NativeUnits:
         a.buf[:k] = bufs
         a.payload[:k] = payloads
         a.aad[:k] = [unit.slots[j] for j in js]
+        a.cut[:k] = 0
+        if unit.parts:  # a batch: no run of file IO spans two of its units
+            part = np.repeat(np.arange(len(unit.parts)), [len(p.slots) for p in unit.parts])[js]
+            a.cut[1:k] = part[1:] != part[:-1]
         return a
 
     def store(self, unit: Any, js: list[int], bufs: np.ndarray, payloads: np.ndarray,

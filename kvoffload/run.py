@@ -68,6 +68,7 @@ class Unit:
     local: list[int]  # slot index inside this lane's file
     wait_event: Any = None
     io_seconds: float = 0.0  # in its pwritev/preadv calls, for the per-unit latency metric
+    parts: tuple["Unit", ...] = ()  # a batch: queued units moved in one call (Lane.gather)
 
 
 class RateLimitedLog:
@@ -136,6 +137,10 @@ class Lane:
         # Whole units in one GIL-free call (unit_io), where the run has the library.
         self.native: Optional[NativeUnits] = (NativeUnits(self, run.native_lib) if run.native_lib is not None
                                               and native_seal(run.seal) is not None else None)
+        # Host blocks through unit_io: the units queued behind one go in its call too, up to
+        # a staging buffer. The tier's jobs are small (16 chunks over all its files: 1 MiB a
+        # unit at 256 KiB chunks), and each unit costs its thread a GIL hand-over and its Python.
+        self.batches = self.native is not None and run.host_blocks is not None
 
     def staging_addrs(self, rows: torch.Tensor, js: Sequence[int]) -> np.ndarray:
         """Addresses of staging rows ``js`` (for unit_io)."""
@@ -243,6 +248,33 @@ class Lane:
             )
         return failed
 
+    def gather(self, unit: Unit) -> tuple[Unit, Optional[Unit], bool]:
+        """``unit``, or a batch of it and the units queued behind it that fit one staging
+        buffer with it; then the unit taken that did not fit (None: none), and whether a stop
+        sentinel was taken (this thread then ends after the batch: each thread takes one)."""
+        if not self.batches or unit.wait_event is not None:
+            return unit, None, False
+        parts, n = [unit], len(unit.slots)
+        while n < self.rows:
+            try:
+                nxt = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return self._batch(parts), None, True
+            if n + len(nxt.slots) > self.rows or nxt.wait_event is not None:
+                return self._batch(parts), nxt, False
+            parts.append(nxt)
+            n += len(nxt.slots)
+        return self._batch(parts), None, False
+
+    @staticmethod
+    def _batch(parts: list[Unit]) -> Unit:
+        if len(parts) == 1:
+            return parts[0]
+        return Unit(parts[0].job, [b for p in parts for b in p.block_ids], [s for p in parts for s in p.slots],
+                    [i for p in parts for i in p.local], parts=tuple(parts))
+
     def refuse_if_closing(self, unit: Unit) -> bool:
         """A unit dequeued after shutdown began or the device failed ends as failed, without IO."""
         if self.run.closing or self.run.fatal is not None:
@@ -253,7 +285,15 @@ class Lane:
         return False
 
     def finish(self, unit: Unit, failed: set[int]) -> None:
-        """One unit is over; ``failed`` holds its row indices that failed."""
+        """One unit (or a batch's every part) is over; ``failed`` holds its row indices that failed."""
+        if unit.parts:
+            first = 0
+            for part in unit.parts:
+                end = first + len(part.slots)
+                part.io_seconds = unit.io_seconds  # each part waited for the whole call
+                self.finish(part, {j - first for j in failed if first <= j < end})
+                first = end
+            return
         run = self.run
         if failed:
             run.record_failures(self.direction == "store", unit, failed)

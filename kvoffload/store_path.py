@@ -34,11 +34,17 @@ class StoreLane(Lane):
     def loop(self, stream: Any, views: list, clock: StageClock) -> None:
         run = self.run
         rows, mv, event = (views or [(None, None, None)])[0]  # a direct lane has no staging
+        left: Optional[Unit] = None  # taken by gather() but not in its batch
+        stop = False  # gather() took this thread's stop sentinel
         while True:
-            unit = self.queue.get()
+            if left is not None:
+                unit, left = left, None
+            else:
+                unit = None if stop else self.queue.get()
             clock.lap("wait")
             if unit is None:
                 return
+            unit, left, stop = self.gather(unit)
             if self.refuse_if_closing(unit):
                 continue
             try:

@@ -77,6 +77,9 @@ typedef struct {
     uint8_t *tag;             /* TAG_BYTES per slot: stores write it, loads check it */
     int32_t *status;          /* out: KVO_* */
     int32_t *err;             /* out: errno of the call that failed the slot (0: none) */
+    const uint8_t *cut;       /* nonzero: no run of file IO continues into this slot from the one
+                               * before (where a batch's next unit starts: each unit keeps the
+                               * calls it would have made alone, so one fault hits the same slots) */
 } kvo_slots;
 
 static void fail(kvo_slots *s, int j, int status, int err) {
@@ -122,7 +125,7 @@ static void transfer(io_fn call, int fd, kvo_slots *s, int n, int64_t slot_bytes
             continue;
         }
         int j1 = j + 1;
-        while (j1 < n && s->status[j1] == KVO_OK && s->file_off[j1] == s->file_off[j1 - 1] + slot_bytes)
+        while (j1 < n && s->status[j1] == KVO_OK && !s->cut[j1] && s->file_off[j1] == s->file_off[j1 - 1] + slot_bytes)
             j1++;
         int err;
         int done = run_io(call, fd, s, j, j1, slot_bytes, &err);

@@ -52,7 +52,7 @@ class _Iovec(ctypes.Structure):
 
 class _Slots(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("file_off", "buf", "payload", "nonce", "aad", "tag", "status", "err")]
+                ("file_off", "buf", "payload", "nonce", "aad", "tag", "status", "err", "cut")]
 
 
 class DeviceCopy(ctypes.Structure):
@@ -228,6 +228,7 @@ class UnitArrays:
     tag: np.ndarray
     status: np.ndarray
     err: np.ndarray
+    cut: np.ndarray  # 1 where a slot's IO must not join the run before it (a batch's next unit)
     slots: _Slots
 
     @classmethod
@@ -235,7 +236,7 @@ class UnitArrays:
         arrays = dict(file_off=np.zeros(rows, np.int64), buf=np.zeros(rows, np.uint64),
                       payload=np.zeros(rows, np.uint64), nonce=np.zeros(rows, np.uint64),
                       aad=np.zeros(rows, np.uint64), tag=np.zeros((rows, TAG_BYTES), np.uint8),
-                      status=np.zeros(rows, np.int32), err=np.zeros(rows, np.int32))
+                      status=np.zeros(rows, np.int32), err=np.zeros(rows, np.int32), cut=np.zeros(rows, np.uint8))
         slots = _Slots(**{k: v.ctypes.data for k, v in arrays.items()})
         return cls(slots=slots, **arrays)
 
