@@ -115,18 +115,23 @@ static int run_io(io_fn call, int fd, kvo_slots *s, int j0, int j1, int64_t slot
     return done;
 }
 
-/* Every run of consecutive file slots, then the slots a failed run did not move,
- * one at a time (the Python path's ``Lane.transfer``). */
-static void transfer(io_fn call, int fd, kvo_slots *s, int n, int64_t slot_bytes) {
-    int j = 0;
-    while (j < n) {
+/* The end of the run of consecutive file slots that starts at ``j``. */
+static int run_end(const kvo_slots *s, int j, int n, int64_t slot_bytes) {
+    int j1 = j + 1;
+    while (j1 < n && s->status[j1] == KVO_OK && !s->cut[j1] && s->file_off[j1] == s->file_off[j1 - 1] + slot_bytes)
+        j1++;
+    return j1;
+}
+
+/* Every run of consecutive file slots in [j, end), then the slots a failed run did not
+ * move, one at a time (the Python path's ``Lane.transfer``). */
+static void transfer(io_fn call, int fd, kvo_slots *s, int j, int end, int64_t slot_bytes) {
+    while (j < end) {
         if (s->status[j] != KVO_OK) {
             j++;
             continue;
         }
-        int j1 = j + 1;
-        while (j1 < n && s->status[j1] == KVO_OK && !s->cut[j1] && s->file_off[j1] == s->file_off[j1 - 1] + slot_bytes)
-            j1++;
+        int j1 = run_end(s, j, end, slot_bytes);
         int err;
         int done = run_io(call, fd, s, j, j1, slot_bytes, &err);
         if (done < j1 - j) {
@@ -181,8 +186,8 @@ static int gcm(EVP_CIPHER_CTX *ctx, int enc, const uint8_t *key, uint64_t nonce,
     return KVO_OK;
 }
 
-/* Store ``n`` slots: run ``copy`` (if given: the blocks into staging, waited for), seal
- * each payload into its buffer, then write them. ``status`` must come in as KVO_OK for
+/* Store ``n`` slots: run ``copy`` (if given: the blocks into staging, waited for), then,
+ * run by run, seal each payload into its buffer and write the run. ``status`` must come in as KVO_OK for
  * every slot. Returns 0, -1 (no memory), or the copy's CUresult (> 0: nothing was
  * sealed or written). */
 int kvo_store_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, int64_t payload_bytes,
@@ -195,24 +200,30 @@ int kvo_store_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, 
     EVP_CIPHER_CTX *ctx = seal == KVO_SEAL_AES_GCM ? EVP_CIPHER_CTX_new() : NULL;
     if (seal == KVO_SEAL_AES_GCM && ctx == NULL)
         return -1;
-    for (int j = 0; j < n; j++) {
-        if (seal == KVO_SEAL_AES_GCM) {
-            int st = gcm(ctx, 1, key, s->nonce[j], s->aad[j], s->payload[j], s->buf[j], payload_bytes,
-                         s->tag + (size_t)j * TAG_BYTES);
-            if (st != KVO_OK)
-                fail(s, j, st, 0);
-        } else if (s->payload[j] != s->buf[j]) {
-            memcpy(s->buf[j], s->payload[j], (size_t)payload_bytes);
+    /* Run by run: each run's slots are sealed right before its write, while they are still
+     * in the CPU's caches (a batch of units is more than the caches hold). */
+    for (int j = 0; j < n;) {
+        int j1 = run_end(s, j, n, slot_bytes);
+        for (int k = j; k < j1; k++) {
+            if (seal == KVO_SEAL_AES_GCM) {
+                int st = gcm(ctx, 1, key, s->nonce[k], s->aad[k], s->payload[k], s->buf[k], payload_bytes,
+                             s->tag + (size_t)k * TAG_BYTES);
+                if (st != KVO_OK)
+                    fail(s, k, st, 0);
+            } else if (s->payload[k] != s->buf[k]) {
+                memcpy(s->buf[k], s->payload[k], (size_t)payload_bytes);
+            }
         }
+        transfer(call, fd, s, j, j1, slot_bytes);
+        j = j1;
     }
     if (ctx)
         EVP_CIPHER_CTX_free(ctx);
-    transfer(call, fd, s, n, slot_bytes);
     return 0;
 }
 
-/* Load ``n`` slots: launch ``copy`` (if given: the previous unit's), read them, then open
- * each one that read whole into its payload destination. A slot that fails (IO, short,
+/* Load ``n`` slots: launch ``copy`` (if given: the previous unit's), then, run by run, read
+ * the run and open each slot that read whole into its payload destination. A slot that fails (IO, short,
  * check) leaves zeros there, and in its buffer too when the buffer is a host row
  * (buf == payload). Returns 0, -1 (no memory), or the copy's CUresult (> 0: no IO done). */
 int kvo_load_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, int64_t payload_bytes,
@@ -222,23 +233,29 @@ int kvo_load_unit(io_fn call, int fd, int n, kvo_slots *s, int64_t slot_bytes, i
         if (rc != 0)
             return rc;
     }
-    transfer(call, fd, s, n, slot_bytes);
     EVP_CIPHER_CTX *ctx = seal == KVO_SEAL_AES_GCM ? EVP_CIPHER_CTX_new() : NULL;
     if (seal == KVO_SEAL_AES_GCM && ctx == NULL)
         return -1;
-    for (int j = 0; j < n; j++) {
-        if (s->status[j] == KVO_OK) {
-            if (seal == KVO_SEAL_AES_GCM) {
-                int st = gcm(ctx, 0, key, s->nonce[j], s->aad[j], s->buf[j], s->payload[j], payload_bytes,
-                             s->tag + (size_t)j * TAG_BYTES);
-                if (st != KVO_OK)
-                    fail(s, j, st, 0);
-            } else if (s->payload[j] != s->buf[j]) {
-                memcpy(s->payload[j], s->buf[j], (size_t)payload_bytes);
+    /* Run by run: each run's slots are opened right after its read, while they are still in
+     * the CPU's caches (a batch of units is more than the caches hold). */
+    for (int j = 0; j < n;) {
+        int j1 = s->status[j] == KVO_OK ? run_end(s, j, n, slot_bytes) : j + 1;
+        transfer(call, fd, s, j, j1, slot_bytes);
+        for (int k = j; k < j1; k++) {
+            if (s->status[k] == KVO_OK) {
+                if (seal == KVO_SEAL_AES_GCM) {
+                    int st = gcm(ctx, 0, key, s->nonce[k], s->aad[k], s->buf[k], s->payload[k], payload_bytes,
+                                 s->tag + (size_t)k * TAG_BYTES);
+                    if (st != KVO_OK)
+                        fail(s, k, st, 0);
+                } else if (s->payload[k] != s->buf[k]) {
+                    memcpy(s->payload[k], s->buf[k], (size_t)payload_bytes);
+                }
             }
+            if (s->status[k] != KVO_OK)
+                memset(s->payload[k], 0, (size_t)payload_bytes);
         }
-        if (s->status[j] != KVO_OK)
-            memset(s->payload[j], 0, (size_t)payload_bytes);
+        j = j1;
     }
     if (ctx)
         EVP_CIPHER_CTX_free(ctx);

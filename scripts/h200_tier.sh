@@ -15,6 +15,7 @@
 # (vLLM's fs IO; the row says C or Python) on as many drives, one fs tier per drive:
 #   drives4   4 drives, 2 MiB chunks, 16 GiB           drives4-off  the same, no seal (the cipher's share)
 #   drives4-u16  the same with 16 MiB IO units (the GPU backend's; the engine issue's busy-engine runs)
+#   drives4-t8   the same with 8 IO threads per lane (the default on 16 cores and 4 paths: 4)
 #   drive1    1 drive, 2 MiB chunks, 6 GiB (fs writes each round to new files: 12 GiB on the drive)
 #   small4    4 drives, 256 KiB chunks, 4 GiB          small1       1 drive, 256 KiB chunks, 3 GiB
 #   disk      the machine's own disk (the current directory), 2 MiB chunks, 4 GiB
@@ -74,6 +75,7 @@ for case in "${CASES[@]}"; do
         drives4) args=("${four[@]}" --gib "$(scale 16)") ;;
         drives4-off) args=("${four[@]}" --gib "$(scale 16)" --seal off) ;;
         drives4-u16) args=("${four[@]}" --gib "$(scale 16)" --io-unit-mib 16) ;;
+        drives4-t8) args=("${four[@]}" --gib "$(scale 16)" --io-threads 8) ;;
         drive1) args=("${one[@]}" --gib "$(scale 6)") ;;
         small4) args=("${four[@]}" --gib "$(scale 4)" --chunk-mib 0.25) ;;
         small1) args=("${one[@]}" --gib "$(scale 3)" --chunk-mib 0.25) ;;
