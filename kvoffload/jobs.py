@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -10,6 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("kvoffload")
 
 
 class BackendFatalError(RuntimeError):
@@ -28,6 +31,13 @@ class UnreportedLoadError(RuntimeError):
 
 # Completion order across all jobs of the process: tests check per-direction order with it.
 _COMPLETIONS = itertools.count(1)
+
+
+def _call_back(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:
+        logger.exception("kvoffload: a job's done callback %r raised", fn)
 
 
 class JobEvent:
@@ -74,13 +84,16 @@ class JobEvent:
         """Call ``fn()`` once the job is over: now if it is, else in the thread that ends it.
 
         So a poller can collect finished jobs without looking at every open one
-        (``SlotTier.poll``); ``fn`` must be short and must not raise.
+        (``SlotTier.poll``). ``fn`` must be short: it may run in an IO thread. What it
+        raises is logged, never raised into that thread (as ``concurrent.futures`` does).
         """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback needs a callable, got {type(fn).__name__}")
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
-        fn()
+        _call_back(fn)
 
     def complete(self, ok: bool, error: Optional[BaseException] = None) -> bool:
         """End the job once; later calls are ignored. Returns whether this call ended it.
@@ -96,7 +109,7 @@ class JobEvent:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn()
+            _call_back(fn)
         return True
 
     def __repr__(self) -> str:

@@ -50,3 +50,23 @@ def test_integer_sequences_give_python_ints_in_order(ids) -> None:
 def test_non_integer_ids_are_refused_however_they_come(ids, message) -> None:
     with pytest.raises(TypeError, match=message):
         block_ids("src_blocks", ids)
+
+
+def test_a_callback_that_raises_is_logged_and_the_others_still_run(caplog) -> None:
+    e, calls = JobEvent(), []
+
+    def bad() -> None:
+        raise RuntimeError("callback failed")
+
+    e.add_done_callback(bad)
+    e.add_done_callback(lambda: calls.append(1))
+    with caplog.at_level("ERROR", logger="kvoffload"):
+        assert e.complete(True)  # the thread that ends the job never sees the error
+        e.add_done_callback(bad)  # nor does a caller registering after the end
+    assert calls == [1] and e.done and e.ok
+    assert sum("done callback" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_callback_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="needs a callable"):
+        JobEvent().add_done_callback("not a function")
