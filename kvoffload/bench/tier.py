@@ -10,7 +10,9 @@ table), then ``submit_load`` of the second round in waves the primary can hold, 
 ``get_finished_jobs`` until all are done. Every loaded byte is compared with what was
 stored. Per tier: store, store again and load GiB/s, process CPU seconds per GiB (all
 threads) and the files it created; beside them the raw O_DIRECT ceiling of the same directories at
-the chunk size (best queue depth). The table (or ``--json``) comes last.
+the chunk size (best queue depth). ``--repeat N`` runs every case N times, each round in the
+opposite order to the one before, pairs kvoffload and fs rows of one round, and gives each
+ratio's median and range over the rounds. The table (or ``--json``) comes last.
 
 vLLM's ``fs`` tier takes one ``root_dir``: with several ``--dir`` it runs on the first
 one, and the row ``fs sharded`` gives it one ``fs`` tier per directory with chunks split
@@ -371,7 +373,10 @@ def bench(a: argparse.Namespace) -> dict:
         out["fs_core"] = {"source": core.source, "io": core.path_name, "why_not_c": core.ext_error}
         print(f"fs-core: vLLM's fs IO from {core.source}: {core.path_name} path"
               + (f" ({core.ext_error})" if core.ext_error else ""), file=sys.stderr)
-    for name, ndirs, direct_io in cases:
+    # With --repeat, every round runs every case, in the opposite order to the round before, so
+    # a drift of the drives or the host (these machines are noisy) falls on both sides of a ratio.
+    rounds = [(k + 1, cases if k % 2 == 0 else cases[::-1]) for k in range(a.repeat)]
+    for rnd, name, ndirs, direct_io in [(k, *c) for k, order in rounds for c in order]:
         workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
         try:
             if name.startswith("kvoffload"):
@@ -404,6 +409,7 @@ def bench(a: argparse.Namespace) -> dict:
             "load_cpu_s_per_gib": round(r.load.cpu_seconds / (r.load.nbytes / GiB), 3),
             "load_of_raw_read": round(r.load.gib_s / raw_read, 3) if raw_read else None,
             "files": r.files, "failed_jobs": r.failed_jobs, "verified": r.verified, **r.info,
+            **({"round": rnd} if a.repeat > 1 else {}),
         })
         print(f"{label(out['tiers'][-1])}: store {r.store.gib_s:.2f} GiB/s, again {r.store_again.gib_s:.2f}, load "
               f"{r.load.gib_s:.2f} GiB/s, files {r.files}, {'ok' if r.verified else 'FAIL'}", file=sys.stderr)
@@ -413,19 +419,42 @@ def bench(a: argparse.Namespace) -> dict:
     if "kvoffload" in by and "fs" in by and by["fs"]["load_gib_s"]:
         out["kvoffload_load_over_fs"] = round(by["kvoffload"]["load_gib_s"] / by["fs"]["load_gib_s"], 2)
     out["ratios"] = ratios(out["tiers"])
+    if a.repeat > 1:
+        out["ratio_spread"] = ratio_spread(out["ratios"])
     out["ok"] = all(t["verified"] for t in out["tiers"])
     return out
 
 
+METRICS = ("store", "store_again", "load")
+
+
 def ratios(tiers: list[dict]) -> list[dict]:
-    """Each kvoffload row over each fs row on as many directories: store, again, load."""
+    """Each kvoffload row over each fs row on as many directories (and of the same round):
+    store, again, load."""
     out = []
     for k in tiers:
         for f in tiers:
-            if k["tier"].startswith("kvoffload") and f["tier"].startswith("fs") and k["dirs"] == f["dirs"]:
+            if (k["tier"].startswith("kvoffload") and f["tier"].startswith("fs") and k["dirs"] == f["dirs"]
+                    and k.get("round") == f.get("round")):
                 out.append({"kvoffload": label(k), "fs": label(f), "fs_io": f.get("fs_io"), "dirs": k["dirs"],
+                            **({"round": k["round"]} if "round" in k else {}),
                             **{m: round(k[f"{m}_gib_s"] / f[f"{m}_gib_s"], 2) if f[f"{m}_gib_s"] else None
-                               for m in ("store", "store_again", "load")}})
+                               for m in METRICS}})
+    return out
+
+
+def ratio_spread(rows: list[dict]) -> list[dict]:
+    """Per pair of rows over the rounds: each ratio's median, lowest and highest."""
+    pairs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        pairs.setdefault((r["kvoffload"], r["fs"], r["dirs"]), []).append(r)
+    out = []
+    for (k, f, dirs), rs in pairs.items():
+        spread = {}
+        for m in METRICS:
+            xs = [r[m] for r in rs if r[m] is not None]
+            spread[m] = ({"median": round(float(np.median(xs)), 2), "min": min(xs), "max": max(xs)} if xs else None)
+        out.append({"kvoffload": k, "fs": f, "dirs": dirs, "rounds": len(rs), **spread})
     return out
 
 
@@ -443,17 +472,27 @@ def table(out: dict) -> str:
                      f"{'':>7}  qd {r['qd']}")
     for t in out["tiers"]:
         ratio = "" if t["load_of_raw_read"] is None else f"{t['load_of_raw_read']:.2f}"
-        lines.append(f"{label(t):<30} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['store_again_gib_s']:6.2f} "
+        name = label(t) + (f" #{t['round']}" if "round" in t else "")
+        lines.append(f"{name:<30} {t['dirs']:>4} {t['store_gib_s']:11.2f} {t['store_again_gib_s']:6.2f} "
                      f"{t['load_gib_s']:10.2f} "
                      f"{t['store_cpu_s_per_gib']:15.3f} {t['load_cpu_s_per_gib']:14.3f} {ratio:>8} {t['files']:>7}  "
                      f"{'ok' if t['verified'] else 'FAIL'}")
     if "kvoffload_load_over_fs" in out:
         lines.append(f"kvoffload load / fs load: {out['kvoffload_load_over_fs']:.2f}x")
     for r in out.get("ratios", []):
-        x = {m: "-" if r[m] is None else f"{r[m]:.2f}x" for m in ("store", "store_again", "load")}
-        lines.append(f"{r['kvoffload']} / {r['fs']}, {r['dirs']} dir(s): store {x['store']}, "
+        x = {m: "-" if r[m] is None else f"{r[m]:.2f}x" for m in METRICS}
+        lines.append(f"{r['kvoffload']} / {r['fs']}, {r['dirs']} dir(s){_round(r)}: store {x['store']}, "
                      f"again {x['store_again']}, load {x['load']}")
+    for r in out.get("ratio_spread", []):
+        x = {m: "-" if r[m] is None else f"{r[m]['median']:.2f}x ({r[m]['min']:.2f}-{r[m]['max']:.2f})"
+             for m in METRICS}
+        lines.append(f"{r['kvoffload']} / {r['fs']}, {r['dirs']} dir(s), median (range) of {r['rounds']} rounds: "
+                     f"store {x['store']}, again {x['store_again']}, load {x['load']}")
     return "\n".join(lines)
+
+
+def _round(r: dict) -> str:
+    return f", round {r['round']}" if "round" in r else ""
 
 
 def label(t: dict) -> str:
@@ -506,6 +545,9 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--raw-seconds", type=cli_args.Number(above=0.0), default=0.5,
                    help="seconds per raw queue depth (0.5)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT ceilings")
+    p.add_argument("--repeat", type=cli_args.Integer(1, 100), default=1,
+                   help="rounds of every case, each round in the opposite order to the one before; ratios pair "
+                        "rows of one round, and their median and range over the rounds come last (1)")
     p.add_argument("--seed", type=cli_args.Integer(0), default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
