@@ -14,6 +14,7 @@ Run on the GPU host: ``PYTHONPATH=. python3 scripts/probe_batch_launch.py``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 
@@ -22,10 +23,8 @@ import torch
 
 from kvoffload.bench.ceilings import run_threads
 from kvoffload.cuda_device import CudaDevice
-import ctypes
-
 from kvoffload.cuda_driver import _PROTOS
-from kvoffload.device import BlockLayout, alloc_host, piece_descriptors, resolve_device
+from kvoffload.device import BlockLayout, alloc_host, piece_descriptors, random_caches, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
 SLOT = 2 * MiB
@@ -41,8 +40,7 @@ def main() -> int:
     device = resolve_device("cuda")
     dev = CudaDevice(device)
     n_blocks = 512
-    caches = {f"l{i}": torch.zeros(n_blocks, SLOT // TENSORS, dtype=torch.int8, device=device)
-              for i in range(TENSORS)}
+    caches = random_caches(device, n_blocks, [SLOT // TENSORS] * TENSORS)
     layout = BlockLayout.from_caches(caches)
     threads = [int(x) for x in a.threads.split(",")]
     staging = [alloc_host(a.rows * SLOT, 4096) for _ in range(max(threads))]

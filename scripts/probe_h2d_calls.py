@@ -25,7 +25,7 @@ import torch
 
 from kvoffload.bench.ceilings import run_threads
 from kvoffload.cuda_device import CudaDevice
-from kvoffload.device import BlockLayout, alloc_host, resolve_device
+from kvoffload.device import BlockLayout, alloc_host, random_caches, resolve_device
 
 MiB, GiB = 1 << 20, 1 << 30
 SLOT = 2 * MiB
@@ -41,7 +41,7 @@ def main() -> int:
     device = resolve_device("cuda")
     dev = CudaDevice(device)
     n_blocks = 512
-    caches = {f"l{i}": torch.zeros(n_blocks, SLOT // TENSORS, dtype=torch.int8, device=device) for i in range(TENSORS)}
+    caches = random_caches(device, n_blocks, [SLOT // TENSORS] * TENSORS)
     layout = BlockLayout.from_caches(caches)
     threads_list = [int(x) for x in a.threads.split(",")]
     rows_list = [int(x) for x in a.rows.split(",")]
