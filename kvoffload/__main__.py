@@ -97,6 +97,7 @@ def _round_trip(directory: str, device: torch.device, nblocks: int, a: argparse.
         b.init(caches, device, None, None, path, nblocks, block, use_page_cache=a.page_cache,
                report_load_errors=True, capacity_bytes=nblocks * round_up(block, 4096))
     try:
+        io_path = b.stats()["io_path_detail"]
         rates = {}
         for name, is_store in (("store", True), ("load", False)):
             if not is_store:
@@ -115,6 +116,7 @@ def _round_trip(directory: str, device: torch.device, nblocks: int, a: argparse.
     ok = all(torch.equal(caches[k], want[k]) for k in caches)
     print(f"kvoffload round trip in {os.path.abspath(directory)}: {nblocks} blocks x {block // 1024} KiB on {device}, "
           f"{'page cache' if a.page_cache else 'O_DIRECT'}")
+    print(f"  IO path: {io_path}")
     print(f"  store {rates['store']:.2f} GiB/s   load {rates['load']:.2f} GiB/s   bytes verified: {ok}")
     return 0 if ok else 1
 

@@ -18,6 +18,13 @@ from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, check_space, slot_bytes_fo
 # test keeps them at least what is measured): the list entry plus the seal's record,
 # a (nonce, tag) tuple for AES-GCM, an int for xxh3, True for validity only.
 RECORD_BYTES = {"aes-gcm": 144, "xxh3": 48, "off": 8}
+# Beside each record, the job of the latest store launched to the slot (Run.latest_store).
+LATEST_STORE_BYTES = 8
+
+
+def slot_state_bytes(seal: str) -> int:
+    """Host memory per slot of a run: its record and its latest store."""
+    return RECORD_BYTES[seal] + LATEST_STORE_BYTES
 # The tier's SlotPool per slot, every slot cached: its free queue's and both maps'
 # entries (the keys themselves are the caller's objects and not counted). Measured
 # 209-352 B: dicts grow by doubling, so the figure is the top of that range.

@@ -32,14 +32,14 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file"})
+KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io"})
 # Keys that were renamed: the message names the new one.
 RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 # Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
 DISK_ONLY_KEYS = (
     "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
-    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file",
+    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file", "native_io",
 )
 
 _UNITS = {
@@ -114,6 +114,19 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
+NATIVE_IO_ENV = "KVOFFLOAD_NATIVE_IO"
+_CHOICES = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False, "auto": None, "": None}
+
+
+def parse_choice(value: Any, name: str) -> Optional[bool]:
+    """``native_io`` as given: a bool, None (auto), or on/off/auto (the IO path, native_io.py)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _CHOICES:
+        return _CHOICES[value.strip().lower()]
+    raise ValueError(f"{name}={value!r}: expected on, off or auto")
+
+
 def num_slots(capacity_bytes: int, slot_bytes: int) -> int:
     """Slots a capacity holds: the ONE sizing rule for scheduler and every rank (vLLM #52921)."""
     n = capacity_bytes // slot_bytes
@@ -141,6 +154,9 @@ class OffloadConfig:
     checksums: bool = True  # xxh3 per slot when encrypt is off
     io_threads: Optional[int] = None  # per lane; None: the backend's default
     named_file: bool = False  # skip O_TMPFILE, use the named (and unlinked) file
+    # The IO path: True/"on" the native core (refused at start-up where it cannot run),
+    # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
+    native_io: Optional[bool] = None
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
@@ -180,6 +196,8 @@ class OffloadConfig:
         for key in ("use_page_cache", "lazy_offload", "encrypt", "checksums", "named_file"):
             if key in extra:
                 kw[key] = _bool(key, extra[key])
+        if "native_io" in extra:
+            kw["native_io"] = parse_choice(extra["native_io"], "native_io")
         cfg = cls(**kw)
 
         if backend == "disk" and cfg.disk_path is None:
@@ -215,7 +233,8 @@ class OffloadConfig:
     def backend_kwargs(self) -> dict[str, Any]:
         """kvoffload's own ``DiskBackend.init`` keywords (the connector adds the rest)."""
         return {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
-                "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes}
+                "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
+                "native_io": self.native_io}
 
     def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvoffload import unit_io
+from kvoffload import native_io
 from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
 from kvoffload.cuda_gather import FusedPieces, load_fused
 from kvoffload.device import BlockLayout, DeviceEvent, copy_rows, piece_descriptors
@@ -137,9 +137,9 @@ class CudaDevice:
 
     def native_copy(self, stream, layout, block_ids, host, rows, to_host: bool, wait_event=None,
                     event=None) -> Optional["NativeCopy"]:
-        """``copy_to_host`` (``to_host``) or ``copy_to_device``'s copy, prepared for unit_io to
-        launch inside its GIL-free call (a store's also waited for there); None where the
-        copy needs torch (device staging rows and their kernels)."""
+        """``Device.native_copy``: one batched driver copy, launched (a store's also waited for)
+        inside the unit's GIL-free call; None where the copy needs torch (device staging rows
+        and their kernels)."""
         if self._staged(stream, layout, len(block_ids), to_host):
             return None
         if to_host and wait_event is not None:
@@ -192,20 +192,25 @@ class CudaDevice:
 
 
 class NativeCopy:
-    """A descriptor copy prepared by ``CudaDevice.native_copy``: ``c`` is what unit_io
-    launches (it points into the arrays held here), ``event`` its completion."""
+    """A descriptor copy prepared by ``CudaDevice.native_copy``: ``c`` is the ``kvo_copy``
+    the native core launches (it points into the arrays held here), ``event`` its completion."""
 
     def __init__(self, driver: Driver, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                  attr: MemcpyAttributes, stream: Any, event: DriverEvent, wait: bool) -> None:
         self.driver, self.arrays, self.attr, self.stream, self.event = driver, (dsts, srcs, sizes), attr, stream, event
-        fn = driver.addresses
-        self.c = unit_io.DeviceCopy(
-            batch=fn["cuMemcpyBatchAsync"], record=fn["cuEventRecord"], wait=fn["cuEventSynchronize"] if wait else None,
-            dsts=dsts.ctypes.data, srcs=srcs.ctypes.data, sizes=sizes.ctypes.data, count=len(sizes),
-            attrs=ctypes.addressof(attr), stream=stream.cuda_stream, event=event.handle)
+        fn, core = driver.addresses, native_io.core()
+        ffi, c = core.ffi, core.ffi.new("kvo_copy *")
+        c.kind, c.count = core.lib.KVO_COPY_CUDA, len(sizes)
+        c.batch = ffi.cast("kvo_batch_fn", fn["cuMemcpyBatchAsync"])
+        c.record = ffi.cast("kvo_record_fn", fn["cuEventRecord"])
+        c.wait = ffi.cast("kvo_wait_fn", fn["cuEventSynchronize"]) if wait else ffi.NULL
+        c.dsts, c.srcs, c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in (dsts, srcs, sizes))
+        c.attrs = ffi.cast("void *", ctypes.addressof(attr))
+        c.stream, c.event = ffi.cast("void *", stream.cuda_stream), ffi.cast("void *", event.handle)
+        self.c = c
 
     def launch(self) -> DriverEvent:
-        """Launch it from Python instead (no unit_io call comes next); returns its event."""
+        """Launch it from Python instead (no unit call comes next); returns its event."""
         self.driver.memcpy_batch(*self.arrays, self.attr, self.stream)
         self.event.record(self.stream)
         return self.event

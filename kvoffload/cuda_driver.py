@@ -12,7 +12,7 @@ microseconds: those (event record, query, a stream's wait) are made with
 descriptors) takes 0.56-0.64 ms (median; H200, 8-16 threads,
 ``scripts/probe_batch_launch.py``), too long to hold the GIL for: from Python it
 gives it up, and where it can the backend launches it inside its unit's GIL-free call
-instead (``unit_io.DeviceCopy``, from these functions' addresses). So does
+instead (``cuda_device.NativeCopy``, a ``kvo_copy`` of these functions' addresses). So does
 ``DriverEvent.synchronize``, which really blocks.
 """
 

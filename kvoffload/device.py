@@ -14,6 +14,7 @@ each slot is one aligned span however odd the per-tensor sizes are).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -231,6 +232,24 @@ class Device(Protocol):
         when the lanes should seal straight from and open straight into them; None: every
         block goes through ``copy_to_*`` and staging."""
 
+    def native_copy(self, stream: Any, layout: BlockLayout, block_ids: Sequence[int], host: torch.Tensor,
+                    rows: Sequence[int], to_host: bool, wait_event: Optional[DeviceEvent] = None,
+                    event: Any = None) -> Optional["PreparedCopy"]:
+        """``copy_to_host`` (``to_host``) or ``copy_to_device``'s copy, prepared for the native
+        core to make inside a unit's call, so the IO thread gives the GIL up once per unit (a
+        store's is also waited for there; ``wait_event`` is waited for first); None where this
+        device cannot (the lanes then call ``copy_to_*``). Only asked for on the native path."""
+
+
+class PreparedCopy(Protocol):
+    """A device copy the native core makes (``native_copy``)."""
+
+    c: Any  # the kvo_copy (native/unit_io.h) the unit's call takes
+    event: DeviceEvent  # done once the copy is
+
+    def launch(self) -> DeviceEvent:
+        """Make the copy from Python instead (no unit call came to make it); its event."""
+
 
 class DoneEvent:
     """An event that has already happened (synchronous CPU copies)."""
@@ -275,6 +294,34 @@ class CpuDevice:
 
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         return None  # it stands in for a GPU: blocks go through staging, as there
+
+    def native_copy(self, stream, layout, block_ids, host, rows, to_host: bool, wait_event=None,
+                    event=None) -> Optional["HostCopy"]:
+        # The same descriptors as CUDA's batched copy; the core copies them with memcpy.
+        if wait_event is not None:
+            wait_event.synchronize()
+        return HostCopy(*piece_descriptors(layout, block_ids, host, rows, to_host))
+
+
+class HostCopy:
+    """A copy between host addresses for the native core (``KVO_COPY_MEMCPY``)."""
+
+    event = DONE
+
+    def __init__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+        from kvoffload import native_io
+
+        core = native_io.core()
+        ffi = core.ffi
+        self.arrays = (dsts, srcs, sizes)  # the kvo_copy points into them
+        self.c = ffi.new("kvo_copy *")
+        self.c.kind, self.c.count = core.lib.KVO_COPY_MEMCPY, len(sizes)
+        self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in self.arrays)
+
+    def launch(self) -> DeviceEvent:
+        for d, s, n in zip(*(a.tolist() for a in self.arrays)):
+            ctypes.memmove(d, s, n)
+        return self.event
 
 
 class HostDevice(CpuDevice):

@@ -21,13 +21,15 @@ from typing import Any, Optional
 
 import torch
 
-from kvoffload import native_lane, unit_io
-from kvoffload.budget import RECORD_BYTES, file_slots
+from kvoffload.budget import file_slots, slot_state_bytes
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.load_path import LoadLane
 from kvoffload.metrics import IoMetrics
+from kvoffload.config import parse_choice
+from kvoffload.native_io import choose as choose_native
+from kvoffload.native_io import from_environment
 from kvoffload.os_calls import OsCalls
 from kvoffload.run import Run
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
@@ -63,7 +65,8 @@ DEFAULT_START_TIMEOUT_S = 60.0
 
 
 # What the backend calls on a device (device.Device); a device_impl lacking one is refused at init.
-_DEVICE_METHODS = ("bind_thread", "new_event", "pin", "unpin", "copy_to_host", "copy_to_device", "host_view")
+_DEVICE_METHODS = ("bind_thread", "new_event", "pin", "unpin", "copy_to_host", "copy_to_device", "host_view",
+                   "native_copy")
 
 
 class LeakedFdWarning(RuntimeWarning):
@@ -106,7 +109,7 @@ class DiskBackend:
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         os_calls: Optional[OsCalls] = None,
         device_impl: Optional[Device] = None,
-        native_io: Optional[bool] = None,
+        native_io: Optional[bool | str] = None,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -122,10 +125,11 @@ class DiskBackend:
           (``UnreportedLoadError``) rather than end quietly on stale device blocks.
         - ``io_threads``: IO threads (and staging buffers) per lane; by default up to 8,
           fewer with several disk paths (``default_io_threads``), at least ``num_buffer_slots``.
-        - ``native_io``: each IO unit in one GIL-free call (``unit_io``); None (default):
-          ``$KVOFFLOAD_NATIVE_IO`` if set (``on``, ``off``, ``auto``), else auto: where it
-          can be built and the seal is AES-GCM or none, else the Python path; True:
-          required (init fails saying why not); False: the Python path.
+        - ``native_io``: each IO unit in one GIL-free call (the native core built with the
+          package, ``native_io.py``); None or ``"auto"`` (default): ``$KVOFFLOAD_NATIVE_IO``
+          if set (``on``, ``off``, ``auto``), else the core where it was built and the seal
+          is AES-GCM or none, else the Python path; True or ``"on"``: required (init fails
+          saying why not); False or ``"off"``: the Python path. Decided here, once.
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -141,10 +145,11 @@ class DiskBackend:
                            ("report_load_errors", report_load_errors), ("named_file", named_file)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if native_io is not None and not isinstance(native_io, bool):
-            raise TypeError(f"native_io must be a bool or None, got {native_io!r}")
+        if native_io is not None and not isinstance(native_io, (bool, str)):
+            raise TypeError(f"native_io must be a bool, None or on/off/auto, got {native_io!r}")
+        native_io = parse_choice(native_io, "native_io")
         if native_io is None:
-            native_io = native_lane.from_environment()
+            native_io = from_environment()
         # shutdown() computes a deadline from join_timeout: a string here would fail
         # only there, after the threads and files exist.
         join_timeout = _seconds("join_timeout", join_timeout, minimum=0.0)
@@ -174,13 +179,12 @@ class DiskBackend:
                                                layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
                       for i in range(len(paths)))
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
-                     use_page_cache, num_disk_slots * RECORD_BYTES[seal.name] + staging)
-        why_not = native_lane.why_not(seal, native_io)
-        if native_io and why_not is not None:
-            raise ValueError(f"native_io=True: {why_not}")
+                     use_page_cache, num_disk_slots * slot_state_bytes(seal.name) + staging)
+        native, io_path = choose_native(seal, native_io)  # the one choice, kept on the run
         dev = device_impl if device_impl is not None else make_device(device)
         run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)),
-                  native_lib=None if why_not is not None else unit_io.library())
+                  native=native)
+        run.io_path_detail = io_path
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -200,6 +204,7 @@ class DiskBackend:
                 "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
                 "staging_bytes": self._staging_bytes(run), "io_threads": threads, "paths": len(paths),
                 "seal": run.seal.name, "io": "page_cache" if use_page_cache else "o_direct",
+                "io_path": "native" if run.native is not None else "python",
             }
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
@@ -209,7 +214,7 @@ class DiskBackend:
                 num_disk_slots, total_block_bytes, len(paths), threads,
                 run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
-                f"native units ({unit_io.crypto_version()})" if why_not is None else f"Python units ({why_not})",
+                f"IO path {io_path}",
             )
         except BaseException:
             self.shutdown()
@@ -309,7 +314,8 @@ class DiskBackend:
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
                      "staging_bytes": self._staging_bytes(run),
-                     "native_io": run.native_lib is not None,
+                     "io_path": "native" if run.native is not None else "python",
+                     "io_path_detail": run.io_path_detail,
                      "direct_io": {lane: all(x.direct for x in run.lanes[is_store])
                                    for lane, is_store in (("store", True), ("load", False))}}
         return {**moved, "stage_seconds": run.stage_seconds()}

@@ -34,9 +34,12 @@ _COMPLETIONS = itertools.count(1)
 
 
 def _call_back(fn: Callable[[], None]) -> None:
+    """Run a done callback in the thread that ends the job (an IO thread): whatever it
+    raises, SystemExit and KeyboardInterrupt included, is logged and goes no further, so
+    the thread lives on and the job's other callbacks still run."""
     try:
         fn()
-    except Exception:
+    except BaseException:  # noqa: BLE001 - an IO thread must outlive any callback
         logger.exception("kvoffload: a job's done callback %r raised", fn)
 
 
@@ -93,7 +96,10 @@ class JobEvent:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
-        _call_back(fn)
+        try:  # the caller's own thread: an Exception is logged, as in an IO thread
+            fn()
+        except Exception:
+            logger.exception("kvoffload: a job's done callback %r raised", fn)
 
     def complete(self, ok: bool, error: Optional[BaseException] = None) -> bool:
         """End the job once; later calls are ignored. Returns whether this call ended it.

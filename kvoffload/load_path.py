@@ -21,9 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from kvoffload import unit_io
+from kvoffload import native_io
 from kvoffload.run import Lane, StageClock, Unit, units_of
 from kvoffload.slot_seal import zero
 
@@ -92,11 +93,7 @@ class LoadLane(Lane):
             if p.copy is not None:  # no native call came to launch it
                 copy = self.take_copy(p)
                 if copy is not None:
-                    try:
-                        copy.launch()
-                    except BaseException:
-                        self.copy_not_made(p)
-                        raise
+                    self.launch_copy(p, copy.launch)
             if p.event is not None:
                 try:
                     # Mostly done by now (it had this thread's next unit of file IO to run
@@ -123,6 +120,21 @@ class LoadLane(Lane):
         p.event = copy.event
         return copy
 
+    def launch_copy(self, p: _Pending, launch: Any) -> None:
+        """Launch ``p``'s device copy from Python (counted in as running), unless shutdown
+        ended its job meanwhile (the gate); ``p.event`` becomes what ``launch()`` returns."""
+        if not self.run.gate.enter():
+            self.run.metrics.failed(False, "closing", len(p.good))
+            self.copy_not_made(p)
+            return
+        try:
+            p.event = launch()
+        except BaseException:
+            self.copy_not_made(p)
+            raise
+        finally:
+            self.run.gate.leave()
+
     def copy_not_made(self, p: _Pending) -> None:
         """A counted-in copy failed to launch: nothing runs, and its rows fail."""
         p.event = None
@@ -148,150 +160,129 @@ class LoadLane(Lane):
             run.copies += 1
             return True
 
+    def file_call(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return self.run.osc.preadv(fd, buffers, offset)
+
     def load(self, stream: Any, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], event: Any,
              clock: StageClock, prev: Optional[_Pending] = None) -> _Pending:
         """Read and open a unit, then start (or prepare) its copy to the device. ``prev``'s
         prepared copy is launched by this unit's native call, before its IO."""
-        run, f = self.run, self.file
+        run, n = self.run, len(unit.slots)
         # Taken before the IO: a store that rewrote a slot meanwhile fails its check.
         records = [run.records[s] for s in unit.slots]
         # Slots never stored, or whose store failed, are errors without any IO.
-        failed = {j for j, r in enumerate(records) if r is None}
-        run.metrics.failed(False, "not_stored", len(failed))
-        if self.direct and self.native is not None:
-            return _Pending(unit, self.load_native_into_blocks(unit, records, failed, None, clock))
-        if self.direct:
-            return _Pending(unit, self.load_into_blocks(unit, records, failed, clock))
-        host = run.host_blocks
-        if self.native is not None and host is not None:
-            # One call reads, opens and writes the host blocks: it is this unit's copy.
-            return _Pending(unit, self.load_native_into_blocks(unit, records, failed, rows, clock))
-        read = 0
-        if self.native is not None:  # staging, opened in place, then the device copy
-            js = [j for j in range(len(unit.slots)) if j not in failed]
-            addrs = self.staging_addrs(rows, js)
-            first = self.take_copy(prev)
+        skip = {j for j, r in enumerate(records) if r is None}
+        run.metrics.failed(False, "not_stored", len(skip))
+        if run.host_blocks is not None:
+            # Host blocks: reading and opening into them is this unit's copy, so it is
+            # checked against shutdown first and waited for by it.
+            if len(skip) == n:
+                return _Pending(unit, skip)
+            if not self.enter_copy(n - len(skip)):
+                return _Pending(unit, set(range(n)))
             try:
-                bad, read = self.native.load(unit, js, records, addrs, addrs, first)
-            except unit_io.DeviceCopyError:
-                if first is not None:
-                    self.copy_not_made(prev)
-                raise
-            failed |= bad
-            clock.lap("io")
-        else:
-            span = self.span(mv, None)
-            for j0, j1 in units_of(unit.local, skip=failed):
-                bad = self.transfer(span, unit, j0, j1)
-                clock.lap("io")
-                failed |= bad
-                read += j1 - j0 - len(bad)
-                if host is None:
-                    # Opened right after its read, while the rows are still hot in the cache.
-                    failed |= self.open_rows(unit, range(j0, j1), bad, records, mv, None)
-                    clock.lap("seal")
-        with run.lock:
-            run.bytes_read += read * f.slot_bytes
-        good = [j for j in range(len(unit.slots)) if j not in failed]
+                return _Pending(unit, self.read_and_open(unit, records, skip, rows, mv, None, clock))
+            finally:
+                self.end_copy()
+        # Device blocks: read and open in staging, then one copy of the good rows.
+        first = self.take_copy(prev) if run.native is not None else None
+        try:
+            failed = self.read_and_open(unit, records, skip, rows, mv, first, clock)
+        except native_io.DeviceCopyError:
+            if first is not None:
+                self.copy_not_made(prev)
+            raise
+        if first is not None and self.unit_call().unit.copy_refused:  # shutdown ended its job
+            run.metrics.failed(False, "closing", len(prev.good))
+            self.copy_not_made(prev)
+        good = [j for j in range(n) if j not in failed]
         p = _Pending(unit, failed, good)
         if not good:
             return p
-        if host is None:
-            ids = [unit.block_ids[j] for j in good]
-            if self.native is not None and hasattr(run.dev, "native_copy"):
-                # Launched by the next unit's native call (or settle(), if none comes
-                # first), so this thread takes the GIL once per unit.
-                p.copy = run.dev.native_copy(stream, run.layout, ids, rows, good, False, None, event)
-                if p.copy is not None:
-                    return p
-            if self.begin_copy(p):
-                try:
-                    # Not waited for here: loop() settles it before these staging rows are
-                    # read into again (vLLM's trailing-drain fix, one unit later).
-                    p.event = run.dev.copy_to_device(stream, run.layout, rows, good, ids, event)
-                except BaseException:
-                    self.copy_not_made(p)
-                    raise
-                clock.lap("device")
-            return p
-        # Host blocks: opening each slot into its block is this unit's copy.
-        if not self.begin_copy(p):
-            return p
-        try:
-            p.failed |= self.open_rows(unit, good, set(), records, mv, self.blocks(unit))
-            clock.lap("seal")
-        finally:
-            self.end_copy()
+        ids = [unit.block_ids[j] for j in good]
+        if run.native is not None:
+            # Launched by the next unit's native call (or settle(), if none comes first),
+            # so this thread gives the GIL up once per unit.
+            p.copy = run.dev.native_copy(stream, run.layout, ids, rows, good, False, None, event)
+            if p.copy is not None:
+                return p
+        if self.begin_copy(p):
+            # Not waited for here: loop() settles it before these staging rows are read
+            # into again (vLLM's trailing-drain fix, one unit later).
+            self.launch_copy(p, lambda: run.dev.copy_to_device(stream, run.layout, rows, good, ids, event))
+            clock.lap("device")
         return p
 
-    def load_native_into_blocks(self, unit: Unit, records: list[Any], failed: set[int],
-                                rows: Optional[torch.Tensor], clock: StageClock) -> set[int]:
-        """Host blocks through ``unit_io``: read into staging ``rows`` and open into the
-        blocks, or, on a direct lane (no ``rows``), read into the blocks and open them
-        there; one GIL-free call. Returns the rows that failed; their blocks end zeroed.
+    def read_and_open(self, unit: Unit, records: list[Any], skip: set[int], rows: Optional[torch.Tensor],
+                      mv: Optional[memoryview], copy: Any, clock: StageClock) -> set[int]:
+        """Read each run of the unit's slots (leaving out ``skip``) and open each slot where
+        its payload goes: in place in staging (device blocks), from staging into its host
+        block, or, on a direct lane, in its host block, where it was read. Returns the rows
+        that failed (``skip`` included). ``copy`` (the previous unit's) is launched first.
 
-        The call writes the blocks, so it counts as the unit's device copy: checked
-        against ``closing`` first, waited for by shutdown.
-        """
+        Once shutdown began, nothing more is read or written into the caller's memory: the
+        rows not delivered yet count as failed by it."""
         run = self.run
-        js = [j for j in range(len(unit.slots)) if j not in failed]
-        if not js:
-            return failed
-        if not self.enter_copy(len(js)):
-            return set(range(len(unit.slots)))
-        try:
-            blocks = self.block_addrs(unit, js)
-            bad, read = self.native.load(unit, js, records, blocks if rows is None else self.staging_addrs(rows, js),
-                                         blocks)
-            clock.lap("io")
-            if run.closing:
-                # Released from a hang once shutdown had begun (maybe after it ended the
-                # job as failed): what the late call wrote is not kept.
-                for b in self.blocks(unit):
-                    zero(b)
-                return set(range(len(unit.slots)))
-        finally:
-            self.end_copy()
-        with run.lock:
-            run.bytes_read += read * self.file.slot_bytes
-        return failed | bad
-
-    def load_into_blocks(self, unit: Unit, records: list[Any], failed: set[int], clock: StageClock) -> set[int]:
-        """A direct lane's unit: read each run of valid slots straight into their blocks and
-        open them there; returns the rows that failed.
-
-        The reads write the blocks, so they count as the unit's device copy: checked
-        against ``closing`` first, waited for by shutdown. Every block read into ends
-        verified or zeroed.
-        """
-        run = self.run
-        blocks = self.blocks(unit)
-        span = self.span(None, blocks)
-        if not self.enter_copy(len(unit.slots) - len(failed)):
-            return set(range(len(unit.slots)))
-        read = 0
-        try:
-            for j0, j1 in units_of(unit.local, skip=failed):
-                bad = self.transfer(span, unit, j0, j1)
-                clock.lap("io")
-                if run.closing:
-                    # Released from a hang once shutdown had begun (maybe after it ended the
-                    # job as failed): no check runs on what the late read wrote.
-                    for j in range(j0, j1):
-                        zero(blocks[j])
-                    return set(range(len(unit.slots)))
-                for j in bad:  # a failed or short read may have written part of the block
-                    zero(blocks[j])
-                failed |= bad
-                read += j1 - j0 - len(bad)
-                # Opened right after its read, while the block is still hot in the cache.
-                failed |= self.open_rows(unit, range(j0, j1), bad, records, None, blocks)
-                clock.lap("seal")
-        finally:
-            self.end_copy()
+        if run.native is not None:
+            failed, read = self.read_and_open_native(unit, records, skip, rows, mv, copy, clock)
+        else:
+            failed, read = self.read_and_open_python(unit, records, skip, mv, clock)
         with run.lock:
             run.bytes_read += read * self.file.slot_bytes
         return failed
+
+    def read_and_open_native(self, unit: Unit, records: list[Any], skip: set[int], rows: Optional[torch.Tensor],
+                             mv: Optional[memoryview], copy: Any, clock: StageClock) -> tuple[set[int], int]:
+        """The unit in one GIL-free call (``native/load_unit.c``); (failed rows, rows read whole)."""
+        run, n = self.run, len(unit.slots)
+        lib = run.native.lib
+        call = self.unit_call()
+        blocks = None if run.host_blocks is None else self.block_addrs(unit)
+        bufs = blocks if self.direct else self.staging_addrs(rows, n)
+        self.fill(call, unit, bufs, bufs if blocks is None else blocks)
+        call.status[list(skip)] = lib.KVO_SKIP
+        if run.gcm_key:
+            live = [j for j in range(n) if j not in skip]
+            call.nonce[live] = run.seal.nonce_array([records[j][0] for j in live])
+            call.tag[live] = np.frombuffer(b"".join(records[j][1] for j in live), np.uint8).reshape(-1, 16)
+        self.call_native(call, unit, None if copy is None else copy.c, self.span(unit, mv), clock)
+        status = call.status[:n]
+        read = int(((status == lib.KVO_OK) | (status == lib.KVO_INTEGRITY)).sum())
+        return skip | self.native_failures(call, unit), read
+
+    def read_and_open_python(self, unit: Unit, records: list[Any], skip: set[int], mv: Optional[memoryview],
+                             clock: StageClock) -> tuple[set[int], int]:
+        """``read_and_open_native``'s calls and outcomes, slot by slot in Python."""
+        run, n = self.run, len(unit.slots)
+        blocks = None if run.host_blocks is None else self.blocks(unit)
+        span = self.span(unit, mv)
+        failed, read = set(skip), 0
+        gate = run.gate
+        for j0, j1 in units_of(unit.local, skip=skip):
+            if gate.closing:  # shutdown began: no new file call
+                return self.cancel_rows(range(j0, n), failed), read
+            bad = self.transfer(span, unit, j0, j1)
+            clock.lap("io")
+            if not gate.enter():  # back from a hang after shutdown ended the job: nothing written
+                return self.cancel_rows(range(j0, n), failed | bad), read
+            try:
+                if self.direct:
+                    for j in bad:  # a failed or short read may have written part of the block
+                        zero(blocks[j])
+                failed |= bad
+                read += j1 - j0 - len(bad)
+                # Opened right after its read, while the rows are still hot in the cache.
+                failed |= self.open_rows(unit, range(j0, j1), bad, records, None if self.direct else mv, blocks)
+            finally:
+                gate.leave()
+            clock.lap("seal")
+        return failed, read
+
+    def cancel_rows(self, rows: Iterable[int], failed: set[int]) -> set[int]:
+        """Rows not delivered because shutdown began (``failed`` ones aside): they fail, as "closing"."""
+        cancelled = {j for j in rows if j not in failed}
+        self.run.metrics.failed(False, "closing", len(cancelled))
+        return failed | cancelled
 
     def open_rows(self, unit: Unit, rows: Iterable[int], skip: set[int], records: list[Any],
                   mv: Optional[memoryview], blocks: Optional[list[memoryview]]) -> set[int]:
@@ -310,10 +301,10 @@ class LoadLane(Lane):
                 ok = run.seal.open(unit.slots[j], mv[j * f.slot_bytes :], payload, records[j],
                                    None if blocks is None else blocks[j])
             if not ok:
-                run.log.warning("integrity", "kvoffload: slot %d of %s failed its %s check",
-                                unit.slots[j], f.path, run.seal.name)
                 failed.add(j)
         run.metrics.failed(False, "integrity", len(failed))
+        if failed:
+            self.log_integrity([unit.slots[j] for j in sorted(failed)])
         return failed
 
     def end_copy(self) -> None:

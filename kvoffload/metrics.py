@@ -25,7 +25,8 @@ DIRECTIONS = (STORE, LOAD)  # index 0: stores, 1: loads
 # began, or the device copy failed (fatal for the backend).
 CAUSES = ("io_error", "short", "integrity", "not_stored", "closing", "device")
 _CAUSE_INDEX = {c: i for i, c in enumerate(CAUSES)}
-INFO_LABELS = ("capacity_bytes", "slots", "slot_bytes", "staging_bytes", "io_threads", "paths", "seal", "io")
+INFO_LABELS = ("capacity_bytes", "slots", "slot_bytes", "staging_bytes", "io_threads", "paths", "seal", "io",
+               "io_path")
 
 # A job is one launch_copy: up to a scheduler step's blocks, queueing included.
 JOB_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -75,7 +76,8 @@ _DEFS = (
               "Prompt tokens offered as a disk hit whose load failed, so vLLM recomputed them."),
     MetricDef("vllm:kvoffload_info", "gauge", INFO_LABELS,
               "kvoffload's disk tier per rank; value 1. capacity_bytes: the slot files' budget; staging_bytes: the "
-              "host staging its IO threads allocated; io: o_direct or page_cache."),
+              "host staging its IO threads allocated; io: o_direct or page_cache; io_path: native (the IO core built "
+              "with the package) or python."),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in _DEFS}
 BYTES, BLOCKS, FAILED, JOB_SECONDS, UNIT_IO_SECONDS, QUEUED, BUSY, SLOTS_USED, SLOTS_FREE, HIT_TOKENS, \

@@ -63,6 +63,15 @@ _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
+def moved(result: object, call: object) -> int:
+    """What a ``preadv``/``pwritev`` of the seam returned, checked: a byte count, never
+    negative (an error is an ``OSError``). Anything else is a broken seam, refused the same
+    way on both IO paths (a ``TypeError`` out of the unit: fatal for the run)."""
+    if isinstance(result, bool) or not isinstance(result, int) or result < 0:
+        raise TypeError(f"{call!r} returned {result!r}, not a count of bytes moved")
+    return result
+
+
 class OsCalls:
     """Plain pass-through to the kernel. Subclass or wrap to inject faults."""
 

@@ -23,11 +23,12 @@ import torch
 
 import numpy as np
 
+from kvoffload import native_io
 from kvoffload.device import BlockLayout, Device, HostDevice, alloc_host
 from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
 from kvoffload.metrics import IoMetrics
-from kvoffload.native_lane import NativeUnits, native_seal
-from kvoffload.os_calls import OsCalls
+from kvoffload.native_io import MAX_RUN_SLOTS, NativeCore, UnitCall
+from kvoffload.os_calls import OsCalls, moved
 from kvoffload.slot_file import SlotFile
 from kvoffload.slot_seal import TAG_BYTES, SlotSeal
 
@@ -96,6 +97,68 @@ class RateLimitedLog:
         logger.warning(msg, *args)
 
 
+class WriteGate:
+    """Shutdown's gate over what a load writes into the caller's memory (blocks, or the
+    launch of a copy into them), on the Python path: ``close`` as shutdown begins (no new
+    file call), ``end`` before it ends the open jobs (no write after it returns; the writes
+    under way finish first). A write is a bounded run of memory copies or cipher passes, so
+    ``end`` waits for it; a file call that hangs is outside the gate, and what it brings
+    back once the gate has ended is never written anywhere."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.closing = False
+        self._ended = False
+        self._writers = 0
+
+    def close(self) -> None:
+        with self._cond:
+            self.closing = True
+
+    def enter(self) -> bool:
+        """Whether a write may start (then ``leave`` when it is done): not once ended."""
+        with self._cond:
+            if self._ended:
+                return False
+            self._writers += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._writers -= 1
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.closing = self._ended = True
+            self._cond.wait_for(lambda: self._writers == 0)
+
+
+class NativeWriteGate:
+    """``WriteGate`` as an int the native core reads and updates atomically (its calls
+    check it without the GIL: ``kvo_gate_*`` in native/unit_io.h)."""
+
+    def __init__(self, core: NativeCore) -> None:
+        self.lib = core.lib
+        self.ptr = core.ffi.new("int *")
+
+    @property
+    def closing(self) -> bool:
+        return bool(self.ptr[0] & 1)
+
+    def close(self) -> None:
+        self.lib.kvo_gate_close(self.ptr)
+
+    def enter(self) -> bool:
+        return bool(self.lib.kvo_gate_enter(self.ptr))
+
+    def leave(self) -> None:
+        self.lib.kvo_gate_leave(self.ptr)
+
+    def end(self) -> None:
+        self.lib.kvo_gate_end(self.ptr)
+
+
 class StageClock:
     """Seconds one IO thread spends in each stage (waiting for work, device copy, seal or
     open, file IO): where the time goes, per direction, in ``DiskBackend.stats()``."""
@@ -110,6 +173,17 @@ class StageClock:
         """Charge the time since the last lap to ``stage``."""
         now = time.perf_counter()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._t
+        self._t = now
+
+    def lap_native(self, call: UnitCall) -> None:
+        """Charge a native call's time as it measured it (device copy, seal, file calls),
+        the rest since the last lap (its Python around it) to ``io``, as the Python path would."""
+        io, seal, device = call.seconds
+        now = time.perf_counter()
+        for stage, sec in (("device", device), ("seal", seal)):
+            if sec:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + sec
+        self.seconds["io"] = self.seconds.get("io", 0.0) + max(0.0, now - self._t - seal - device)
         self._t = now
 
 
@@ -134,21 +208,82 @@ class Lane:
         # and no byte of the next block, another chunk, is ever touched).
         self.direct = (run.direct_io and file.direct and file.slot_bytes == run.layout.block_bytes
                        and run.layout.caches[0].data_ptr() % file.alignment == 0)
-        # Whole units in one GIL-free call (unit_io), where the run has the library.
-        self.native: Optional[NativeUnits] = (NativeUnits(self, run.native_lib) if run.native_lib is not None
-                                              and native_seal(run.seal) is not None else None)
-        # Host blocks through unit_io: the units queued behind one go in its call too, up to
-        # a staging buffer. The tier's jobs are small (16 chunks over all its files: 1 MiB a
-        # unit at 256 KiB chunks), and each unit costs its thread a GIL hand-over and its Python.
-        self.batches = self.native is not None and run.host_blocks is not None
+        # Host blocks through the native core: the units queued behind one go in its call
+        # too, up to a staging buffer. The tier's jobs are small (16 chunks over all its files:
+        # 1 MiB a unit at 256 KiB chunks), and each unit costs its thread a GIL hand-over.
+        self.batches = run.native is not None and run.host_blocks is not None
+        self._calls = threading.local()  # each IO thread's UnitCall
 
-    def staging_addrs(self, rows: torch.Tensor, js: Sequence[int]) -> np.ndarray:
-        """Addresses of staging rows ``js`` (for unit_io)."""
-        return rows.data_ptr() + np.asarray(js, np.uint64) * np.uint64(self.file.slot_bytes)
+    def unit_call(self) -> UnitCall:
+        """This thread's arrays for the native core's unit calls."""
+        call = getattr(self._calls, "call", None)
+        if call is None:
+            call = self._calls.call = UnitCall(self.run.native, self.rows, self.run.seal.aad_bytes)
+        return call
 
-    def block_addrs(self, unit: Unit, js: Sequence[int]) -> np.ndarray:
-        """Addresses of the unit's host blocks at rows ``js`` (host-resident blocks only)."""
-        ids = np.asarray([unit.block_ids[j] for j in js], np.uint64)
+    def fill(self, call: UnitCall, unit: "Unit", bufs: np.ndarray, payloads: np.ndarray) -> None:
+        """A native call's per-slot arrays for ``unit``, row by row: file offsets, buffers,
+        payloads, what each slot is authenticated to, and the cuts between a batch's units."""
+        n = len(unit.slots)
+        call.file_off[:n] = np.asarray(unit.local, np.int64) * self.file.slot_bytes
+        call.buf[:n] = bufs
+        call.payload[:n] = payloads
+        call.aad[:n, : self.run.seal.aad_bytes] = self.run.seal.aad_array(unit.slots)
+        call.status[:n] = self.run.native.lib.KVO_OK
+        call.cut[:n] = 0
+        if unit.parts:  # a batch: no run of file IO spans two of its units
+            starts = np.cumsum([len(p.slots) for p in unit.parts[:-1]])
+            call.cut[starts] = 1
+
+    def call_native(self, call: UnitCall, unit: "Unit", copy: Any, span: Callable[[int, int], list[memoryview]],
+                    clock: "StageClock") -> None:
+        """The unit's one native call (``store_unit.c`` or ``load_unit.c``)."""
+        run = self.run
+        try:
+            call.run(self.direction == "store", len(unit.slots), self.file.fd, self.file.slot_bytes,
+                     run.layout.block_bytes, native_io.seal_kind(run.seal), run.gcm_key, run.osc, span,
+                     run.gate.ptr, copy)
+        finally:
+            unit.io_seconds += call.seconds[0]
+            clock.lap_native(call)
+
+    def native_failures(self, call: UnitCall, unit: "Unit") -> set[int]:
+        """The rows a native call failed, counted and logged as the Python path does."""
+        n, lib = len(unit.slots), self.run.native.lib
+        status = call.status[:n]
+        bad = np.flatnonzero((status != lib.KVO_OK) & (status != lib.KVO_SKIP))
+        if not len(bad):
+            return set()
+        run, is_store = self.run, self.direction == "store"
+        for cause, code in (("io_error", lib.KVO_IO_ERROR), ("short", lib.KVO_SHORT),
+                            ("integrity", lib.KVO_INTEGRITY), ("closing", lib.KVO_CANCELLED)):
+            run.metrics.failed(is_store, cause, int((status == code).sum()))
+        integrity = [unit.slots[j] for j in bad if status[j] == lib.KVO_INTEGRITY]
+        if integrity:
+            self.log_integrity(integrity)
+        io = [j for j in bad if status[j] in (lib.KVO_IO_ERROR, lib.KVO_SHORT)]
+        if io:
+            code = int(call.err[io[0]])
+            why = (OSError(code, os.strerror(code)) if code else
+                   f"short {self.direction}: fewer bytes than slot {unit.slots[io[0]]} holds")
+            self.log_io_failure([unit.slots[j] for j in io], why)
+        return {int(j) for j in bad}
+
+    def log_integrity(self, slots: list[int]) -> None:
+        self.run.log.warning("integrity", "kvoffload: slot(s) %s of %s failed the %s check", slots, self.file.path,
+                             self.run.seal.name)
+
+    def log_io_failure(self, slots: list[int], why: Any) -> None:
+        self.run.log.warning(f"{self.direction} error", "kvoffload: %s of slots %s of %s failed: %s",
+                             self.direction, slots, self.file.path, why)
+
+    def staging_addrs(self, rows: torch.Tensor, n: int) -> np.ndarray:
+        """Addresses of staging rows [0, n) (for the native core)."""
+        return rows.data_ptr() + np.arange(n, dtype=np.uint64) * np.uint64(self.file.slot_bytes)
+
+    def block_addrs(self, unit: Unit) -> np.ndarray:
+        """Addresses of the unit's host blocks, in its order (host-resident blocks only)."""
+        ids = np.asarray(unit.block_ids, np.uint64)
         return self.run.layout.caches[0].data_ptr() + ids * np.uint64(self.run.layout.block_bytes)
 
     def blocks(self, unit: Unit) -> list[memoryview]:
@@ -156,14 +291,19 @@ class Lane:
         host, size = self.run.host_blocks, self.run.layout.block_bytes
         return [host[b * size : (b + 1) * size] for b in unit.block_ids]
 
-    def span(self, mv: Optional[memoryview], blocks: Optional[list[memoryview]]
-             ) -> Callable[[int, int], list[memoryview]]:
-        """``transfer``'s buffers: rows [a, b) of staging ``mv`` as one slice, or, on a
-        direct lane, the ``blocks`` themselves, one buffer each."""
+    def span(self, unit: Unit, mv: Optional[memoryview]) -> Callable[[int, int], list[memoryview]]:
+        """The buffers one file call of rows [a, b) passes, on either path: one slice of
+        staging ``mv``, or, on a direct lane, the unit's host blocks, one buffer each.
+        Slices of buffers the run owns: a seam that keeps them keeps valid memory."""
         if self.direct:
-            return lambda a, b: blocks[a:b]
+            host, size = self.run.host_blocks, self.run.layout.block_bytes
+            return lambda a, b: [host[x * size : (x + 1) * size] for x in unit.block_ids[a:b]]
         size = self.file.slot_bytes
         return lambda a, b: [mv[a * size : b * size]]
+
+    def file_call(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        """This direction's file call through the seam (``pwritev`` or ``preadv``)."""
+        raise NotImplementedError
 
     def staging(self) -> list[tuple[torch.Tensor, memoryview]]:
         """One thread's staging buffers as ([rows, slot_bytes] tensor, bytes with the spare
@@ -214,10 +354,10 @@ class Lane:
         """
         f = self.file
         size = f.slot_bytes
-        call = self.run.osc.pwritev if self.direction == "store" else self.run.osc.preadv
+        call = self.file_call
         t0 = time.perf_counter()
         try:
-            done = call(f.fd, span(j0, j1), unit.local[j0] * size)
+            done = moved(call(f.fd, span(j0, j1), unit.local[j0] * size), call)
             error: Any = f"short {self.direction}: {done} of {(j1 - j0) * size} bytes"
         except OSError as e:
             done, error = 0, e
@@ -231,7 +371,7 @@ class Lane:
             failed, raised = set(), 0
             for j in range(j0 + done // size, j1):  # a short transfer still moved the slots before
                 try:
-                    one = call(f.fd, span(j, j + 1), unit.local[j] * size)
+                    one = moved(call(f.fd, span(j, j + 1), unit.local[j] * size), call)
                 except OSError as e:
                     one, error = 0, e
                     raised += 1
@@ -242,10 +382,7 @@ class Lane:
         self.run.metrics.failed(is_store, "io_error", raised)
         self.run.metrics.failed(is_store, "short", len(failed) - raised)
         if failed:
-            self.run.log.warning(
-                f"{self.direction} error", "kvoffload: %s of slots %s of %s failed: %s",
-                self.direction, [unit.slots[j] for j in sorted(failed)], f.path, error,
-            )
+            self.log_io_failure([unit.slots[j] for j in sorted(failed)], error)
         return failed
 
     def gather(self, unit: Unit) -> tuple[Unit, Optional[Unit], bool]:
@@ -313,9 +450,19 @@ class Run:
 
     def __init__(self, osc: OsCalls, dev: Device, layout: BlockLayout, num_slots: int, seal: SlotSeal,
                  report_load_errors: bool, threads_per_lane: int, metrics: IoMetrics,
-                 native_lib: Any = None) -> None:
+                 native: Optional[NativeCore] = None) -> None:
         self.osc, self.dev, self.layout, self.seal = osc, dev, layout, seal
-        self.native_lib = native_lib  # unit_io's library: whole units in one GIL-free call
+        # The native core (whole units in one GIL-free call), or None: the Python path.
+        # Chosen once, at init (native_io.choose).
+        self.native = native
+        self.io_path_detail = ""  # what the start-up line says of the choice
+        # What the core reads: the expanded key (wiped at close), and the flag shutdown sets
+        # so that a call back from a hang writes nothing into the caller's memory.
+        self.gcm_key = (native_io.gcm_key(native, seal.key) if native is not None and
+                        native_io.seal_kind(seal) == native.lib.KVO_SEAL_AES_GCM else None)
+        if native is not None and self.gcm_key is None:
+            self.gcm_key = native.ffi.NULL
+        self.gate = WriteGate() if native is None else NativeWriteGate(native)
         # Host-resident blocks (HostDevice) are sealed from and opened into directly,
         # and, where a lane's file allows, read into and written from (Lane.direct).
         self.host_blocks = dev.host_view(layout)
@@ -327,6 +474,9 @@ class Run:
         self.lanes: dict[bool, list[Lane]] = {True: [], False: []}  # is_store -> lanes
         self.pinned: list[torch.Tensor] = []
         self.records: list[Any] = [None] * num_slots  # per slot: its seal record, None = invalid
+        # Per slot, the job of the latest store launched to it: only that store may publish
+        # the slot's record, so a slot whose latest store failed never loads an older copy.
+        self.latest_store = np.full(num_slots, -1, np.int64)
         self.lock = threading.Lock()  # jobs, errors, counters, fatal
         self.load_errors: set[int] = set()
         self.failed_store_slots: set[int] = set()
@@ -411,6 +561,10 @@ class Run:
                     raise BackendFatalError(f"kvoffload backend failed earlier: {self.fatal}") from self.fatal
                 if self.closing:
                     raise RuntimeError("DiskBackend is shutting down")
+                if is_store:  # invalid from now until this store ends well (publish)
+                    self.latest_store[slots] = job.job_id
+                    for s in slots:
+                        self.records[s] = None
                 # Registered before any unit is queued: whatever happens from here on
                 # (an interrupt, a shutdown in another thread), shutdown ends it.
                 self.open_jobs[job.job_id] = job
@@ -429,6 +583,17 @@ class Run:
                 for lane, unit in units:
                     lane.finish(unit, failed=set(range(len(unit.slots))))
             raise
+
+    def publish(self, unit: Unit, records: list[Any], failed: set[int]) -> None:
+        """A store unit's outcome, slot by slot: a slot's record is set only by the latest
+        store launched to it, or cleared where that store failed. An earlier store ending
+        later changes nothing (if its bytes landed last, they fail the record's check)."""
+        jobs = [p.job.job_id for p in unit.parts for _ in p.slots] if unit.parts else None
+        job = unit.job.job_id
+        with self.lock:  # against a store being launched to one of these slots meanwhile
+            for j, s in enumerate(unit.slots):
+                if self.latest_store[s] == (job if jobs is None else jobs[j]):
+                    self.records[s] = None if j in failed else records[j]
 
     def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
         with self.lock:
@@ -493,6 +658,7 @@ class Run:
         """No job is accepted from now on; queued units end as failed without IO."""
         with self.lock:
             self.closing = True
+        self.gate.close()
         with self.copy_cond:
             self.copy_cond.notify_all()
 
@@ -521,6 +687,11 @@ class Run:
         alive = [t for t in threads if t.is_alive() and not self.forked]
         with self.copy_cond:  # copies already under way finish before their jobs end
             self.copy_cond.wait_for(lambda: self.copies == 0, max(0.0, deadline - clock()))
+        # From here on nothing is written into the caller's memory for any job, even by a
+        # thread that comes back from a hang later. (A fork()ed child's copy has no threads,
+        # and may hold a count of writers that were running in the parent.)
+        if not self.forked:
+            self.gate.end()
         # Jobs still held by a hung thread end as failed now, so no poll waits forever;
         # the thread checks `closing` before any later device copy.
         with self.lock:
@@ -570,10 +741,13 @@ class Run:
                 self.pinned.pop()
             for f in self.files:
                 f.close(self.osc, discard=not self.forked)
+            if self.gcm_key:  # no thread can seal any more: the key need not stay in memory
+                native_io.wipe(self.native, self.gcm_key)
 
 
 def units_of(rows: Sequence[int], skip: frozenset[int] | set[int] = frozenset()):
-    """Maximal index ranges [j0, j1) of consecutive file slots, leaving out ``skip``.
+    """Maximal index ranges [j0, j1) of consecutive file slots, leaving out ``skip``, of at
+    most ``MAX_RUN_SLOTS`` slots (``unit_runs.c``'s ``kvo_run_end`` is the same rule).
 
     One range is one pwritev/preadv: its staging rows are contiguous too.
     """
@@ -584,7 +758,7 @@ def units_of(rows: Sequence[int], skip: frozenset[int] | set[int] = frozenset())
             j += 1
             continue
         j1 = j + 1
-        while j1 < n and j1 not in skip and rows[j1] == rows[j1 - 1] + 1:
+        while j1 < n and j1 - j < MAX_RUN_SLOTS and j1 not in skip and rows[j1] == rows[j1 - 1] + 1:
             j1 += 1
         yield j, j1
         j = j1

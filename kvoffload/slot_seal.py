@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -39,6 +40,10 @@ class SlotSeal(Protocol):
     # The disk form is the payload itself (checksums, validity): ``seal`` only reads it,
     # so a store may write straight from the block. AES-GCM's is ciphertext: a copy.
     disk_form_is_payload: bool
+    aad_bytes: int  # what each slot is authenticated to, in bytes (0: nothing)
+
+    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
+        """Each slot's associated data, one row of ``aad_bytes`` per slot (the native core's form)."""
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
         """Write the disk form of the payload to ``row[:payload_bytes]``; return its record.
@@ -64,6 +69,10 @@ class ChecksumSeal:
     name = "xxh3"
     label = "checksums (xxh3)"
     disk_form_is_payload = True
+    aad_bytes = 0
+
+    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
+        return np.zeros((len(slots), 0), np.uint8)
 
     def digest(self, payload: memoryview) -> Any:
         return xxhash.xxh3_64_intdigest(payload)
@@ -104,6 +113,7 @@ class AesGcmSeal:
     name = "aes-gcm"
     label = "encrypted (AES-GCM)"
     disk_form_is_payload = False
+    aad_bytes = 8  # the slot index (_aad)
 
     def __init__(self) -> None:
         try:
@@ -112,7 +122,7 @@ class AesGcmSeal:
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise RuntimeError(f"encryption needs the 'cryptography' package (>= 50): {e}") from e
         # The key never leaves process memory: it is held here, for the Python path's
-        # cipher and for unit_io's calls (native_lane.py), and never written anywhere.
+        # cipher and for the native core's (expanded by it, wiped at close), never written anywhere.
         self.key = os.urandom(16)
         self._aead = AESGCM(self.key)
         self._aes = algorithms.AES(self.key)  # the same key, for the streaming decryptor of open_block
@@ -126,6 +136,17 @@ class AesGcmSeal:
             first = self._next_nonce
             self._next_nonce += n
         return first
+
+    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
+        """``_aad`` of each slot (a test holds the two forms equal)."""
+        return np.asarray(slots, "<u8").view(np.uint8).reshape(-1, 8)
+
+    @staticmethod
+    def nonce_array(nonces: Sequence[int]) -> np.ndarray:
+        """``_nonce`` of each nonce, one row of 12 bytes each (a test holds the two forms equal)."""
+        out = np.zeros((len(nonces), 12), np.uint8)
+        out[:, :8] = np.asarray(nonces, "<u8").view(np.uint8).reshape(-1, 8)
+        return out
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
         n = payload_bytes

@@ -54,17 +54,19 @@ class StoreLane(Lane):
                 continue
             self.finish(unit, failed)
 
+    def file_call(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return self.run.osc.pwritev(fd, buffers, offset)
+
     def store(self, stream: Any, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], event: Any,
               clock: StageClock) -> set[int]:
         run, f = self.run, self.file
         n = len(unit.block_ids)
-        host = run.host_blocks
         copy = None
-        if host is None:
+        if run.host_blocks is None:
             # pwritev reads staging from the CPU side: the device copy must be done first.
-            # Where the device can, the native call launches and waits for it itself, so
-            # the thread takes the GIL once per unit (cuda_driver.py says why that matters).
-            if self.native is not None and hasattr(run.dev, "native_copy"):
+            # With the native core the unit's call makes it and waits for it itself, so the
+            # thread gives the GIL up once per unit (cuda_driver.py says why that matters).
+            if run.native is not None:
                 copy = run.dev.native_copy(stream, run.layout, unit.block_ids, rows, range(n), True,
                                            unit.wait_event, event)
             if copy is None:
@@ -73,27 +75,30 @@ class StoreLane(Lane):
         elif unit.wait_event is not None:
             unit.wait_event.synchronize()  # the seal reads the blocks: their writer must be done
         clock.lap("device")
-        if self.native is not None:
-            records, failed = self.store_native(unit, rows, copy)
-            clock.lap("io")  # with the device copy, where the native call made it
+        if run.native is not None:
+            records, failed = self.store_native(unit, rows, mv, copy, clock)
         else:
             records, failed = self.store_python(unit, mv, clock)
-        good = [j for j in range(n) if j not in failed]
-        for j in good:
-            run.records[unit.slots[j]] = records[j]
+        run.publish(unit, records, failed)
         with run.lock:
-            run.bytes_written += len(good) * f.slot_bytes
+            run.bytes_written += (n - len(failed)) * f.slot_bytes
         return failed
 
-    def store_native(self, unit: Unit, rows: Optional[torch.Tensor], copy: Any = None) -> tuple[list[Any], set[int]]:
-        """Seal and write the whole unit in one GIL-free call (``unit_io``), which first
-        makes ``copy`` (a ``NativeCopy`` into staging) where given."""
-        run, js = self.run, list(range(len(unit.slots)))
-        for s in unit.slots:
-            run.records[s] = None  # invalid until this write is known good
-        blocks = None if run.host_blocks is None else self.block_addrs(unit, js)
-        bufs = blocks if self.direct else self.staging_addrs(rows, js)
-        return self.native.store(unit, js, bufs, bufs if blocks is None else blocks, copy)
+    def store_native(self, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], copy: Any,
+                     clock: StageClock) -> tuple[list[Any], set[int]]:
+        """Seal and write the whole unit in one GIL-free call (``native/store_unit.c``),
+        which first makes ``copy`` (the device blocks into staging) where given."""
+        run, n = self.run, len(unit.slots)
+        call = self.unit_call()
+        blocks = None if run.host_blocks is None else self.block_addrs(unit)
+        bufs = blocks if self.direct else self.staging_addrs(rows, n)
+        self.fill(call, unit, bufs, bufs if blocks is None else blocks)
+        if run.gcm_key:
+            first = run.seal.reserve_nonces(n)
+            call.nonce[:n] = run.seal.nonce_array(range(first, first + n))
+        self.call_native(call, unit, None if copy is None else copy.c, self.span(unit, mv), clock)
+        records = [(first + j, call.tag[j].tobytes()) for j in range(n)] if run.gcm_key else [True] * n
+        return records, self.native_failures(call, unit)
 
     def store_python(self, unit: Unit, mv: Optional[memoryview], clock: StageClock) -> tuple[list[Any], set[int]]:
         """Seal each run of consecutive file slots, then write it, slot by slot in Python."""
@@ -103,11 +108,10 @@ class StoreLane(Lane):
         records: list[Any] = [None] * n
         failed: set[int] = set()
         blocks = None if run.host_blocks is None else self.blocks(unit)
-        span = self.span(mv, blocks)
+        span = self.span(unit, mv)
         for j0, j1 in units_of(unit.local):
             # Sealed right before its write, while the rows are still hot in the cache.
             for j in range(j0, j1):
-                run.records[unit.slots[j]] = None  # invalid until this write is known good
                 if self.direct:  # the disk form is the block itself: seal only reads it
                     records[j] = run.seal.seal(unit.slots[j], blocks[j], payload)
                 else:

@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 
 from kvoffload import metrics
-from kvoffload.budget import POOL_SLOT_BYTES, RECORD_BYTES
+from kvoffload.budget import POOL_SLOT_BYTES, slot_state_bytes
 from kvoffload.budget import check as budget_check
-from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, _bool, _int, num_slots, parse_size
+from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, _bool, _int, num_slots, parse_choice, parse_size
 from kvoffload.device import HostDevice
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.jobs import JobEvent
@@ -61,7 +61,7 @@ _FACTORY_KEYS = ("type", "module_path", "backpressure")
 # thread: set io_unit_bytes lower where host memory is scarcer than the engine's GIL.
 TIER_IO_UNIT_BYTES = 16 * 2**20
 _KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
-         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io")
+         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io")
 _CLASSES: dict[str, type] = {}
 
 
@@ -92,6 +92,7 @@ class TierConfig:
     # O_DIRECT 5.14 against 4.27 GiB/s, a loop RAM drive 4.88 against 4.30, the virtio disk 1.34
     # against 1.18; docs/vllm_tiering.md). xxh3 loads measured a tie.
     direct_io: bool = False
+    native_io: Optional[bool] = None  # the IO path, as kv_connector_extra_config's native_io
 
     def __post_init__(self) -> None:
         # Checked here, not only in from_tier_config, so a TierConfig built directly is
@@ -110,6 +111,7 @@ class TierConfig:
             _int("io_threads", self.io_threads, 1)
         for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io"):
             _bool(key, getattr(self, key))
+        object.__setattr__(self, "native_io", parse_choice(self.native_io, "native_io"))
         if self.locality is not None and self.locality not in LOCALITIES:
             raise ValueError(f"locality={self.locality!r}: expected one of {LOCALITIES}")
 
@@ -199,7 +201,7 @@ class SlotTier:
         # The disk and the per-slot state (the pool's LRU and the backend's records) are
         # checked before either is built: SlotPool(1.3e12) would die in a MemoryError.
         budget_check(osc, f"disk_capacity_bytes={cfg.disk_capacity_bytes}", cfg.disk_paths, slots, self.block_bytes,
-                     cfg.use_page_cache, slots * (POOL_SLOT_BYTES + RECORD_BYTES[cfg.seal]))
+                     cfg.use_page_cache, slots * (POOL_SLOT_BYTES + slot_state_bytes(cfg.seal)))
         # The backend checks join_timeout like its other keywords, before it makes anything.
         extra = {"join_timeout": join_timeout} if join_timeout is not None else {}
         self.cfg = cfg
@@ -212,7 +214,7 @@ class SlotTier:
             {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
-            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, os_calls=osc,
+            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, native_io=cfg.native_io, os_calls=osc,
             device_impl=HostDevice(cfg.direct_io), **extra,
         )
         self._jobs: dict[int, _Job] = {}

@@ -61,3 +61,20 @@ def open_fds() -> set[int]:
     from faults._invariants import fd_table
 
     return set(fd_table())
+
+
+@pytest.fixture(scope="session")
+def native_core():
+    """The native IO core built with the package; the test skips where it was not built,
+    except where ``KVOFFLOAD_REQUIRE_NATIVE=1`` (CI builds it: a missing core fails there)."""
+    import os
+
+    from kvoffload import native_io
+
+    core = native_io.core()
+    if core is None:
+        why = f"the native IO core is unavailable: {native_io.why_unavailable()}"
+        if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return core

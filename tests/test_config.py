@@ -38,10 +38,18 @@ def test_defaults_match_vllm() -> None:
 def test_full_disk_config() -> None:
     cfg = parse(**DISK, disk_capacity_bytes="1.5 GiB", disk_buffer_slots=4, use_page_cache=True,
                 encrypt=False, checksums=False, io_threads=16, named_file=True, lazy_offload=True,
-                num_cpu_blocks=10)
+                num_cpu_blocks=10, native_io="off")
     assert cfg.disk_mode and cfg.disk_capacity_bytes == 1610612736
     assert cfg.backend_kwargs() == {"encrypt": False, "checksums": False, "io_threads": 16, "named_file": True,
-                                    "capacity_bytes": 1610612736}
+                                    "capacity_bytes": 1610612736, "native_io": False}
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), ("on", True), ("OFF", False), (False, False),
+                                             ("auto", None), (None, None)])
+def test_native_io_is_a_key_of_its_own(value, expected) -> None:
+    assert parse(**DISK, native_io=value).native_io is expected
+    with pytest.raises(ValueError, match=r"^native_io='sometimes': expected on, off or auto"):
+        parse(**DISK, native_io="sometimes")
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -439,6 +439,8 @@ class BrokenDevice(CpuDevice):
     def copy_to_host(self, *a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
+    native_copy = copy_to_host  # the native path prepares its copies here: they fail alike
+
 
 class NoMemoryDevice(CpuDevice):
     """Fails to set up the third IO thread, as a device staging allocation out of memory would."""

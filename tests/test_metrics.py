@@ -72,7 +72,7 @@ def test_round_trip_counts_blocks_bytes_units_jobs_per_path(tmp_path):
         assert dict(zip(m.INFO_LABELS, info)) == {
             "capacity_bytes": str(32 * SLOT), "slots": "32", "slot_bytes": str(SLOT),
             "staging_bytes": str(b.stats()["staging_bytes"]), "io_threads": "2", "paths": "2", "seal": "aes-gcm",
-            "io": "o_direct"}
+            "io": "o_direct", "io_path": b.stats()["io_path"]}
         assert set(p["types"]) == set(p["data"]) and all(p["types"][k] == m.METRICS[k].kind for k in p["types"])
         assert b.take_metrics() is None
         # Only what is new comes next time.

@@ -1,12 +1,13 @@
-"""Device copies launched inside unit_io's GIL-free call, on CPU.
+"""Device copies launched inside the native core's unit calls, on CPU.
 
 On CUDA (``CudaDevice.native_copy``) a store's copy into staging is launched and
 waited for inside its unit's call, and a load's copy out of staging is launched by
-the next unit's call, so an IO thread takes the GIL once per unit. Here a CPU device
-offers the same ``native_copy`` with C-callable callbacks in place of the driver's
-``cuMemcpyBatchAsync``/``cuEventRecord``/``cuEventSynchronize``, so the lanes' logic
-around it (deferral, shutdown, a failed launch) runs in CI; ``pytest -m cuda`` runs the
-driver's own.
+the next unit's call, so an IO thread gives the GIL up once per unit. ``CpuDevice``
+prepares the same copies for the core to make with memcpy; here a CPU device offers
+them as CUDA-kind copies instead, with cffi callbacks (of the header's own function
+types) in place of the driver's ``cuMemcpyBatchAsync``/``cuEventRecord``/
+``cuEventSynchronize``, so the lanes' logic around them (deferral, shutdown, a failed
+launch) runs and is counted in CI; ``pytest -m cuda`` runs the driver's own.
 """
 
 from __future__ import annotations
@@ -22,21 +23,15 @@ import torch
 
 from faults import Fault, FaultyOsCalls, sweep
 from faults._sweep import BACKGROUND, SITES
-from kvoffload import BackendFatalError, LeakedFdWarning, native_lane, unit_io
+from kvoffload import BackendFatalError, LeakedFdWarning, native_io
 from kvoffload.device import CpuDevice, piece_descriptors
 from tests.conftest import make_caches, snapshot
 from tests.test_disk_backend import run_job, start
 
-pytestmark = pytest.mark.skipif(unit_io.library() is None, reason=f"unit_io unavailable: {unit_io.why_unavailable()}")
 
-BATCH = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
-RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-
-
-def _addr(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
+@pytest.fixture(autouse=True)
+def _core(native_core):
+    return native_core
 
 
 class Recorded:
@@ -53,34 +48,39 @@ class Recorded:
 
 
 class CallbackCopy:
-    """``NativeCopy``'s shape: ``c`` for unit_io, ``event``, and ``launch()`` from Python."""
+    """``NativeCopy``'s shape: ``c`` for the core, ``event``, and ``launch()`` from Python."""
 
     def __init__(self, dev: "CallbackCopyDevice", arrays, event: Recorded, wait: bool) -> None:
+        core = native_io.core()
+        ffi = core.ffi
         self.dev, self.arrays, self.event = dev, arrays, event
         token = dev.register(event)
-        dsts, srcs, sizes = arrays
-        self.c = unit_io.DeviceCopy(batch=_addr(dev.batch_fn), record=_addr(dev.record_fn),
-                                    wait=_addr(dev.wait_fn) if wait else None, dsts=dsts.ctypes.data,
-                                    srcs=srcs.ctypes.data, sizes=sizes.ctypes.data, count=len(sizes),
-                                    attrs=None, stream=None, event=token)
+        self.c = ffi.new("kvo_copy *")
+        self.c.kind, self.c.count = core.lib.KVO_COPY_CUDA, len(arrays[2])
+        self.c.batch, self.c.record = dev.batch_fn, dev.record_fn
+        self.c.wait = dev.wait_fn if wait else ffi.NULL
+        self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in arrays)
+        self.c.event = ffi.cast("void *", token)
 
     def launch(self) -> Recorded:
         self.dev.python_launches += 1
-        dsts, srcs, sizes = self.arrays
-        self.dev.move(dsts, srcs, sizes)
+        self.dev.move(*self.arrays)
         self.event.recorded += 1
         return self.event
 
 
 class CallbackCopyDevice(CpuDevice):
-    """CpuDevice with ``native_copy``: C calls back here to move the pieces."""
+    """CpuDevice whose ``native_copy`` the core launches as a driver copy: C calls back here."""
 
     def __init__(self) -> None:
+        ffi = native_io.core().ffi
         self.lock = threading.Lock()
         self.events: dict[int, Recorded] = {}
         self.c_launches = self.python_launches = self.waits = 0
         self.fail_batch = 0  # a CUresult to fail the next launches with
-        self.batch_fn, self.record_fn, self.wait_fn = BATCH(self._batch), RECORD(self._record), WAIT(self._wait)
+        self.batch_fn = ffi.callback("kvo_batch_fn", self._batch)
+        self.record_fn = ffi.callback("kvo_record_fn", self._record)
+        self.wait_fn = ffi.callback("kvo_wait_fn", self._wait)
 
     def register(self, event: Recorded) -> int:
         with self.lock:
@@ -105,20 +105,21 @@ class CallbackCopyDevice(CpuDevice):
     def _batch(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, fail_idx, stream) -> int:
         if self.fail_batch:
             return self.fail_batch
-        arr = [np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(p)) for p in (dsts, srcs, sizes)]
+        ffi = native_io.core().ffi
+        arr = [np.frombuffer(ffi.buffer(ffi.cast("uint64_t *", p), 8 * count), np.uint64) for p in (dsts, srcs, sizes)]
         self.move(*arr)
         with self.lock:
             self.c_launches += 1
         return 0
 
     def _record(self, event, stream) -> int:
-        self.events[event].recorded += 1
+        self.events[int(native_io.core().ffi.cast("uintptr_t", event))].recorded += 1
         return 0
 
     def _wait(self, event) -> int:
         with self.lock:
             self.waits += 1
-        return 0 if self.events[event].recorded else 999  # waited for before it was launched
+        return 0 if self.events[int(native_io.core().ffi.cast("uintptr_t", event))].recorded else 999
 
 
 def test_copies_run_inside_the_units_calls_and_move_exact_bytes(tmp_path):
@@ -231,7 +232,7 @@ def test_a_copy_prepared_when_shutdown_begins_never_writes_the_blocks(tmp_path):
 
 
 @pytest.mark.faults
-@pytest.mark.skipif(native_lane.from_environment() is False, reason="the native path is turned off")
+@pytest.mark.skipif(native_io.from_environment() is False, reason="the native path is turned off")
 @pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
 @pytest.mark.parametrize("call,fault", [(c, f) for c, fs in SITES.items() if c in ("pwritev", "preadv") for f in fs],
                          ids=lambda x: repr(x).replace(" ", ""))

@@ -7,6 +7,7 @@ jobs behind it, then lets it go: the thread finds them all queued at once.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import threading
 
@@ -20,34 +21,51 @@ JOBS = 6  # small jobs queued behind the held one
 
 
 class CountingLib:
-    """unit_io's library, counting its unit calls: (function, slots) per call."""
+    """The native core's library, counting its unit calls: (function, slots) per call."""
 
     def __init__(self, lib) -> None:
         self.lib, self.calls = lib, []
 
     def __getattr__(self, name: str):
         fn = getattr(self.lib, name)
-        if not name.startswith("kvo_"):
+        if name not in ("kvo_store_unit", "kvo_load_unit"):
             return fn
 
-        def call(*args):
-            self.calls.append((name, args[2]))
-            return fn(*args)
+        def call(unit, slots):
+            self.calls.append((name, unit.n))
+            return fn(unit, slots)
 
         return call
+
+    def direction(self, is_store: bool) -> "CountingLib":
+        """The calls of one direction only."""
+        view = CountingLib(self.lib)
+        name = "kvo_store_unit" if is_store else "kvo_load_unit"
+        view.calls = _Filtered(self.calls, name)
+        return view
+
+
+class _Filtered:
+    def __init__(self, calls: list, name: str) -> None:
+        self.all, self.name = calls, name
+
+    def __iter__(self):
+        return iter([c for c in self.all if c[0] == self.name])
+
+    def __getitem__(self, i):
+        return [c for c in self.all if c[0] == self.name][i]
 
 
 def held_tier(cache_dir, primary: Primary, osc: FaultyOsCalls, slots: int = 16) -> tuple[SlotTier, dict]:
     t = SlotTier(primary.view, tier_config(cache_dir, slots=slots, io_threads=1), os_calls=osc)
     run = t.backend._run
     lanes = {is_store: run.lanes[is_store][0] for is_store in (True, False)}
-    if lanes[True].native is None:
+    if run.native is None:
         t.close()
         pytest.skip("the native path is off or unavailable: batches are the native path's")
-    libs = {}
-    for is_store, lane in lanes.items():
-        libs[is_store] = lane.native.lib = CountingLib(lane.native.lib)
-    return t, libs
+    lib = CountingLib(run.native.lib)
+    run.native = dataclasses.replace(run.native, lib=lib)  # before any thread made its first call
+    return t, {True: lib.direction(True), False: lib.direction(False)}
 
 
 def hold(t: SlotTier, osc: FaultyOsCalls, call: str, job_id: int, key: str) -> threading.Event:
