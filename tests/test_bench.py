@@ -101,6 +101,26 @@ def test_profile_covers_the_io_threads(capsys, tmp_path):
     assert any("store_path.py" in f for f, _, _ in st.stats)
 
 
+@pytest.mark.parametrize("only", ["seal", "seam", "dram"])
+def test_profile_works_with_any_selection(capsys, tmp_path, only):
+    # Issue 33: --profile --only seal measured, then ended in a pstats traceback (nothing profiled).
+    run_quick(capsys, tmp_path, "--profile", str(tmp_path / "kv.prof"), "--layouts", "small", "--seals", "aes-gcm",
+              "--only", only)
+    pstats.Stats(str(tmp_path / "kv.prof"))  # a readable profile, whatever it holds
+
+
+def test_the_native_seal_and_each_io_path_are_measured_side_by_side(capsys, tmp_path, native_core):
+    out = run_quick(capsys, tmp_path, "--layouts", "small", "--modes", "direct", "--seals", "aes-gcm",
+                    "--only", "disk,seal", "--io-paths", "native,python")
+    rows = {r["case"]: r for r in out["cases"]}
+    assert rows["seal aes-gcm native 1 thread"]["detail"]["impl"] == "native"
+    assert rows["seal aes-gcm 1 thread"]["detail"]["impl"] == "python"
+    for path in ("native", "python"):
+        r = rows[f"small direct aes-gcm [{path}] cold-load"]
+        assert r["detail"]["io_path"] == path and r["verified"] is True and r["cpu_s_per_gib"] > 0
+    assert out["machine"]["io_path"].startswith("native (")
+
+
 def test_every_case_is_timed_over_case_seconds(capsys, tmp_path):
     secs = 0.05
     out = run_quick(capsys, tmp_path, "--case-seconds", str(secs), "--layouts", "mla", "--modes", "pagecache",

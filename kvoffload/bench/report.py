@@ -115,7 +115,8 @@ def seal_lines(result: dict) -> list[str]:
         d = r["detail"]
         if r["group"] == "seal" and d.get("threads", 1) > 1:
             one = r["ceiling_gib_s"] or 0
-            out.append(f"seal {d['seal']} alone on {d['buffer_bytes'] >> 20} MiB buffers: 1 thread {one:.2f} GiB/s, "
+            impl = " (native core)" if d.get("impl") == "native" else ""
+            out.append(f"seal {d['seal']}{impl} alone on {d['buffer_bytes'] >> 20} MiB buffers: 1 thread {one:.2f} GiB/s, "
                        f"{d['threads']} threads {r['gib_s_best']:.2f} GiB/s: scaling {d['scaling']:.2f} of "
                        f"{d['ideal']}")
     groups: dict[tuple, list[str]] = {}

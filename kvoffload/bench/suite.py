@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvoffload import cli_args
+from kvoffload import cli_args, native_io
 from kvoffload.bench import engine, report
 from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
@@ -114,6 +114,7 @@ class Config:
     engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
     engine_tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the tier's default)
     metrics_pairs: int = 5  # on/off load pairs of the metrics group
+    io_paths: tuple[str, ...] = ("auto",)  # the backend's IO path per disk case: auto, native, python
 
     @property
     def ceiling_seconds(self) -> float:
@@ -150,7 +151,8 @@ class Bench:
         cfg = self.cfg
         rng = np.random.default_rng(cfg.seed + run_idx)
         if "seal" in cfg.only:
-            self.seal_rates()
+            with self.profiled():
+                self.seal_rates()
         raw = None
         if cfg.only & {"disk", "stripe"}:
             size = max(raw_bytes(blocks_for(nbytes, L.block_bytes, cfg.max_blocks), L.block_bytes)
@@ -191,8 +193,10 @@ class Bench:
             if "disk" in cfg.only:
                 for mode in cfg.modes:
                     for seal in cfg.seals:
-                        self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, seal, jobs,
-                                  f"{L.name} {mode} {seal}", "disk", 1, ceil, warm_load=True)
+                        for io_path in cfg.io_paths:
+                            self.disk(L, caches, ref, [os.path.join(work[0], "kv.bin")], mode, seal, jobs,
+                                      f"{L.name} {mode} {seal}{path_label(cfg, io_path)}", "disk", 1, ceil,
+                                      warm_load=True, io_path=io_path)
             if "dram" in cfg.only:
                 self.dram(L, caches, ref, jobs)
             if "metrics" in cfg.only:
@@ -228,24 +232,29 @@ class Bench:
 
     def seal_rates(self) -> None:
         """Each seal alone on 2 MiB buffers, 1 thread and N (the backend's threads per lane,
-        at most the CPUs): N / 1 is how far the library's work runs outside the GIL."""
+        at most the CPUs): N / 1 is how far the library's work runs outside the GIL. AES-GCM
+        twice, interleaved: the native core's own and cryptography's (the Python path's)."""
         cfg = self.cfg
         many = max(1, min(os.cpu_count() or 1, cfg.threads))
         for seal in cfg.seals:
             if seal == "off":
                 continue
-            one = self.add(Case(f"seal {seal} 1 thread", "seal", "seal", seal_rate(seal, 1, cfg.ceiling_seconds),
-                                info={"seal": seal, "threads": 1}))
-            if many > 1:
-                t = seal_rate(seal, many, cfg.ceiling_seconds)
-                scaling = t.gib_s / one.timed.gib_s if one.timed.gib_s > 0 else 0.0
-                self.add(Case(f"seal {seal} {many} threads", "seal", "seal", t, (one.name,),
-                              info={"seal": seal, "threads": many, "scaling": round(scaling, 3), "ideal": many}))
+            impls = [("python", "")] + ([("native", " native")] if seal == "aes-gcm" and native_io.core() else [])
+            for impl, label in impls:
+                one = self.add(Case(f"seal {seal}{label} 1 thread", "seal", "seal",
+                                    seal_rate(seal, 1, cfg.ceiling_seconds, impl), info={"seal": seal, "threads": 1,
+                                                                                         "impl": impl}))
+                if many > 1:
+                    t = seal_rate(seal, many, cfg.ceiling_seconds, impl)
+                    scaling = t.gib_s / one.timed.gib_s if one.timed.gib_s > 0 else 0.0
+                    self.add(Case(f"seal {seal}{label} {many} threads", "seal", "seal", t, (one.name,),
+                                  info={"seal": seal, "threads": many, "scaling": round(scaling, 3), "ideal": many,
+                                        "impl": impl}))
 
     # -- kvoffload cases ---------------------------------------------------------
 
     def disk(self, L: Layout, caches, ref, paths: list[str], mode: str, seal: str, jobs, prefix: str, group: str,
-             drives: int, ceil: dict, warm_load: bool) -> None:
+             drives: int, ceil: dict, warm_load: bool, io_path: str = "auto") -> None:
         """First store into a fresh file, rewrite, cold load, warm load; each over at least
         --case-seconds (a first store repeats on a new backend, so it is always a first store)."""
         cfg = self.cfg
@@ -279,7 +288,9 @@ class Bench:
                        use_page_cache=mode == "pagecache", disk_paths=paths if len(paths) > 1 else None,
                        encrypt=seal == "aes-gcm", checksums=seal == "xxh3", io_threads=cfg.io_threads,
                        io_unit_bytes=cfg.io_unit_bytes, report_load_errors=True,
+                       native_io={"auto": None, "native": True, "python": False}[io_path],
                        capacity_bytes=n * round_up(L.block_bytes, 4096))
+            geometry["io_path"] = b.stats()["io_path"]
             backend = b
             return one_pass(True)
 
@@ -504,8 +515,10 @@ class Bench:
                "read": (f"{L.name} raw direct-read cycling {k} dirs", f"{L.name} raw direct-read {k} dirs")
                + ceil["read"]}
         for seal in cfg.seals:
-            self.disk(L, caches, ref, [os.path.join(d, "kv.bin") for d in work], "direct", seal, jobs,
-                      f"{L.name} stripe {k} dirs {seal}", "stripe", k, agg, warm_load=False)
+            for io_path in cfg.io_paths:
+                self.disk(L, caches, ref, [os.path.join(d, "kv.bin") for d in work], "direct", seal, jobs,
+                          f"{L.name} stripe {k} dirs {seal}{path_label(cfg, io_path)}", "stripe", k, agg,
+                          warm_load=False, io_path=io_path)
 
     @contextlib.contextmanager
     def profiled(self):
@@ -558,12 +571,12 @@ class ThreadProfiler:
             threading.setprofile(None)
 
     def dump(self, path: str) -> pstats.Stats:
-        st = pstats.Stats(self.main)
+        st = pstats.Stats()  # empty: any --only selection may have profiled no thread at all
         with self.lock:
-            for p in self.threads:
+            for p in (self.main, *self.threads):
                 try:
                     st.add(p)
-                except TypeError:  # a thread that never made a call
+                except TypeError:  # a profiler that saw no call
                     pass
         st.dump_stats(path)
         return st
@@ -733,6 +746,9 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--engine-tier-unit-mib", type=cli_args.Integer(1), default=None,
                    help="engine group: the tier path's IO unit in MiB (default: the tier's own, "
                         f"{TIER_IO_UNIT_BYTES // MiB})")
+    p.add_argument("--io-paths", type=cli_args.Names(("auto", "native", "python")), default=["auto"],
+                   help="comma list of the backend's IO paths to run each disk and stripe case on: auto (the "
+                        "default: the native core where it was built), native, python; CPU s/GiB is per case")
     p.add_argument("--runs", type=cli_args.Integer(1), default=1,
                    help="repeat everything N times; report best and worst")
     p.add_argument("--no-drop-caches", action="store_true",
@@ -743,6 +759,11 @@ def build_parser() -> cli_args.Parser:
     p.add_argument("--profile", metavar="FILE", type=cli_args.OutputFile(),
                    help="write a cProfile (pstats) of the kvoffload cases")
     return p
+
+
+def path_label(cfg: Config, io_path: str) -> str:
+    """A disk case's name suffix: its IO path where the run compares more than one."""
+    return f" [{io_path}]" if len(cfg.io_paths) > 1 else ""
 
 
 def config_from(a: argparse.Namespace) -> Config:
@@ -764,7 +785,7 @@ def config_from(a: argparse.Namespace) -> Config:
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=a.dram_streams,
         engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
         engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
-        engine_switch_ms=a.engine_switch_ms, metrics_pairs=a.metrics_pairs,
+        engine_switch_ms=a.engine_switch_ms, metrics_pairs=a.metrics_pairs, io_paths=tuple(a.io_paths),
         engine_tier_unit_bytes=None if a.engine_tier_unit_mib is None else a.engine_tier_unit_mib * MiB,
     )
 
@@ -831,6 +852,9 @@ def _run(argv: Optional[list[str]]) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "dirs": got.dirs,
+        # The IO path the backend takes here by default, and why where it is Python.
+        "io_path": (native_io.core().describe() if native_io.core() is not None
+                    else f"python ({native_io.why_unavailable()})"),
     }
     result = {
         "machine": machine,
