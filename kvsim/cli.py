@@ -22,6 +22,7 @@ from kvoffload import budget, cli_args
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
 from kvsim.generate import ReloadScenario
+from kvsim.gpu import load_gpu
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
@@ -41,6 +42,7 @@ COMMANDS = """commands:
   trace generate reload       write the reload scenario as a kvsim trace
   trace hitrate TRACE         untimed LRU token hit rate at given capacities (the oracle)
   calibrate BENCH.json        fit an IO hardware profile to `python -m kvoffload.bench --json`
+  calibrate gpu               time engine steps on this machine's GPU and fit the step-time model
 """
 
 
@@ -62,6 +64,19 @@ def _tier(text: str):
         return parse_tier(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bench_or_gpu(text: str) -> str:
+    """``gpu``, or a bench JSON that exists."""
+    return text if text == "gpu" else TRACE_FILE(text)
+
+
+# The layer stacks calibrate gpu times by default: what the scenarios and the trace
+# default run (Qwen3-32B on one H200, and as one of two H100s of llm-d's TP=2 replicas;
+# Llama-3-8B for a trace).
+CAL_MODELS = ("qwen3-32b", "qwen3-32b:tp2", "llama3-8b")
+GPU_MODELS = cli_args.Names(tuple(f"{m}{tp}" for m in sorted(MODELS) if MODELS[m].buildable
+                                  for tp in ("", ":tp2", ":tp4", ":tp8")))
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
@@ -176,17 +191,32 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--seed", type=NONNEG_INT, help="seed of --sample (0)")
     h.add_argument("--json", action="store_true", help="one JSON object, rates at full precision")
 
-    c = cmds.add_parser("calibrate", help="fit an IO hardware profile to kvoffload's bench",
-                        description="Fit kvsim's IO profile to `python -m kvoffload.bench --json` output and "
-                                    "print how well kvsim then predicts the bench's own cases.")
-    c.add_argument("bench", metavar="BENCH.json", type=TRACE_FILE)
+    c = cmds.add_parser("calibrate", help="fit an IO profile to kvoffload's bench, or the GPU's step time",
+                        description="BENCH.json: fit kvsim's IO profile to `python -m kvoffload.bench --json` "
+                                    "output. gpu: time engine steps of layer stacks on this machine's GPU and fit "
+                                    "the step-time model. Each prints how well the fit predicts what it measured.")
+    c.add_argument("bench", metavar="BENCH.json|gpu", type=_bench_or_gpu)
     c.add_argument("-o", "--out", metavar="FILE", type=cli_args.OutputFile(),
                    help="write the profile here (default: stdout, table on stderr)")
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
-    c.add_argument("--base", metavar="PROFILE",
-                   help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
-    c.add_argument("--drives", type=POS_INT,
-                   help="drives the profile has (default: the bench's directories; every rate is one drive's)")
+    io_ = c.add_argument_group("IO (calibrate BENCH.json)")
+    io_.add_argument("--base", metavar="PROFILE",
+                     help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
+    io_.add_argument("--drives", type=POS_INT,
+                     help="drives the profile has (default: the bench's directories; every rate is one drive's)")
+    gg = c.add_argument_group("GPU (calibrate gpu)")
+    gg.add_argument("--models", type=GPU_MODELS, metavar="MODEL[:tpN],...",
+                    help=f"layer stacks to time, each as one GPU of tensor parallelism N holds it "
+                         f"(default {','.join(CAL_MODELS)})")
+    gg.add_argument("--depth", type=cli_args.Integer(1, 16), help="layers in each timed stack (default 4)")
+    gg.add_argument("--budget-s", type=cli_args.Number(above=0.0, maximum=3600.0),
+                    help="stop timing new shapes after this many seconds (default 200)")
+    gg.add_argument("--device", choices=("cuda", "cpu"), help="where to time (default cuda; cpu with --smoke "
+                                                             "checks the code path)")
+    gg.add_argument("--smoke", action="store_true", help="a few tiny shapes: every code path once, no real timing")
+    gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE,
+                    help="fit to the measurements in FILE (a GPU profile or a `calibrate gpu` output) instead of "
+                         "timing again")
     return top
 
 
@@ -225,7 +255,8 @@ def _replay(a: argparse.Namespace) -> int:
                              host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
     profile = load_profile(a.hardware or (sc.hardware if sc else DEFAULT_PROFILE))
     policy = a.load_policy or (sc.load_policy if sc else "faster")
-    gpu_kv = hw.kv_bytes(model)  # refuses a model that leaves no KV cache, before anything is printed
+    gpu = load_gpu(hw.gpu)
+    gpu_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
@@ -247,7 +278,7 @@ def _replay(a: argparse.Namespace) -> int:
 
     title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {gpu_kv / 1e9:,.1f} GB, "
              f"hardware {profile.name}, load policy {policy}")
-    cfg = ReplayConfig(model, hw, policy, profile)
+    cfg = ReplayConfig(model, hw, policy, profile, gpu)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:
@@ -312,6 +343,11 @@ def _hitrate(a: argparse.Namespace) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
+    if a.bench == "gpu":
+        return _calibrate_gpu(a)
+    _refuse(a, ("models", "depth", "budget_s", "device", "measurements"), "GPU flags; they need calibrate gpu")
+    if a.smoke:
+        raise ValueError("--smoke: a GPU flag; it needs calibrate gpu")
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
     base = load_profile(a.base) if a.base else None
     profile = calibrate(load_bench(a.bench), name, a.bench, base, a.drives)
@@ -327,11 +363,44 @@ def _calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_gpu(a: argparse.Namespace) -> int:
+    from kvsim import gpucal
+
+    _refuse(a, ("base", "drives"), "IO flags; they need calibrate BENCH.json")
+    command = "python -m kvsim " + " ".join(sys.argv[1:] if a.argv is None else a.argv)
+    if a.measurements:
+        _refuse(a, ("models", "depth", "budget_s", "device"), "timing flags; --measurements fits without timing")
+        if a.smoke:
+            raise ValueError("--smoke: a timing flag; --measurements fits without timing")
+        doc = gpucal.read_measurements(a.measurements)
+    else:
+        device = a.device or "cuda"
+        if a.smoke and device == "cuda" or not a.smoke and device == "cpu":
+            raise ValueError("--device cpu and --smoke go together: a CPU times nothing an engine runs, and the "
+                             "smoke shapes are too small to fit")
+        gpucal.require_torch(device)
+        models = [(get_model(m.split(":")[0]), int(m.split(":tp")[1]) if ":tp" in m else 1)
+                  for m in (a.models or CAL_MODELS)]
+        doc = gpucal.run(models, a.out, device, a.depth or 4, a.budget_s or 200.0, a.smoke, command,
+                         cli_args.write_output)
+    name = a.name or (Path(a.out).stem.replace("_", "-").removeprefix("gpu-") if a.out else "gpu")
+    profile, text = gpucal.profile_of(doc, name, command if a.measurements else None)
+    if a.out:
+        cli_args.write_output(a.out, json.dumps(profile.to_json(), indent=1) + "\n")
+        print(text)
+        print(f"kvsim: wrote {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(json.dumps(profile.to_json(), indent=1) + "\n")
+        print(text, file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return cli_args.main("kvsim", lambda: _run(argv), errors=(TraceError, BenchError, ValueError, OSError))
 
 
 def _run(argv: Optional[Sequence[str]]) -> int:
     a = build_parser().parse_args(argv)
+    a.argv = list(argv) if argv is not None else None  # for the command a profile records
     run = {"replay": _replay, "generate": _generate, "hitrate": _hitrate}.get(getattr(a, "action", None), _calibrate)
     return run(a)

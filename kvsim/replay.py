@@ -11,6 +11,7 @@ import numpy as np
 
 from kvsim.engine import Engine
 from kvsim.events import Event, EventLoop, Kind
+from kvsim.gpu import GpuProfile, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
 from kvsim.profile import DEFAULT_PROFILE, IoProfile, bytes_per_ns, load_profile
@@ -30,6 +31,7 @@ class ReplayConfig:
     hw: Hardware = Hardware()
     load_policy: str = "faster"
     profile: IoProfile = field(default_factory=lambda: load_profile(DEFAULT_PROFILE))
+    gpu: GpuProfile = field(default_factory=lambda: load_gpu(Hardware.gpu))
 
 
 def _ms(v_ns: float) -> float:
@@ -82,7 +84,7 @@ def build(
         distinct = len({h for r in requests for h in r.hash_ids})
         tier = make_tier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
     loop = EventLoop()
-    engine = Engine(model, hw, tier, loop.next_time, cfg.load_policy)
+    engine = Engine(model, hw, tier, loop.next_time, cfg.load_policy, cfg.gpu)
     loop.on(Kind.ARRIVAL, engine.on_arrival)
     loop.on(Kind.IO_DONE, engine.on_io_done)
     if progress is None:

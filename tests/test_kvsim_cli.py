@@ -112,8 +112,8 @@ def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
     (["--tier", "disk:1TB", "--host-free", "64GiB"],
      "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
     ([MINI, "--scenario", "vllm-pr-49644"], "--scenario: reload-scenario flags; they do nothing with a TRACE"),
-    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB GPU; "
-                                "give the KV cache of one rank with --gpu-kv"),
+    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB H200; "
+                                "give the replica's KV cache with --gpu-kv"),
     (["--hardware", "nope.json"], "--hardware 'nope.json': no such file, and not one of h200-disk, h200-array"),
 ])
 def test_flags_that_would_do_nothing_are_refused(capsys, argv, message):
