@@ -13,6 +13,7 @@ Runs of decode-only steps with nothing else due are fast-forwarded as one event.
 from __future__ import annotations
 
 import math
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class Engine:
         model: ModelShape,
         hw: Hardware,
         tier: Optional[Tier],
-        next_event_time: Callable[[], Optional[int]],
+        next_arrival: Callable[[], Optional[int]],
         load_policy: str,
         gpu: GpuProfile,
     ) -> None:
@@ -53,7 +54,10 @@ class Engine:
         self.bs = hw.block_size
         # vLLM's GPU BlockPool keeps block 0 as its null block: it holds no KV.
         self.gpu = GpuPrefixCache(hw.kv_bytes(model, gpu) // (model.kv_bytes_per_token * self.bs) - 1)
-        self._next_event_time = next_event_time
+        # A fast-forward stops before anything that could change the batch: the next
+        # arrival (the router may send it here) or this engine's own IO completions.
+        self._next_arrival = next_arrival
+        self._io_due: list[int] = []  # times of this engine's pending IO_DONE events
         self.load_policy = load_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -103,7 +107,16 @@ class Engine:
         if self._busy:
             return []
         self._busy = True
-        return [Event(now, Kind.STEP)]
+        return [Event(now, Kind.STEP, target=self)]
+
+    def _next_event(self, now: int) -> Optional[int]:
+        due = self._io_due
+        while due and due[0] <= now:  # handled already: IO completions come before steps at one instant
+            heapq.heappop(due)
+        arrival = self._next_arrival()
+        if not due:
+            return arrival
+        return due[0] if arrival is None else min(due[0], arrival)
 
     def on_step(self, ev: Event) -> list[Event]:
         now = ev.time_ns
@@ -121,13 +134,16 @@ class Engine:
             self._resume(req, now)
         self.waiting.extendleft(reversed(resumed))
         batch, dur = self._schedule(now, out)
+        for e in out:  # the IO completions this step started (loads, a second hop)
+            e.target = self
+            heapq.heappush(self._io_due, e.time_ns)
         if batch is None:
             self._busy = False
             return out
         self.num_steps += batch.steps
         self.busy_ns += dur
         self._last_step_ns = dur // batch.steps
-        out.append(Event(now + dur, Kind.STEP, payload=batch))
+        out.append(Event(now + dur, Kind.STEP, payload=batch, target=self))
         return out
 
     # -- batches ----------------------------------------------------------------
@@ -180,7 +196,7 @@ class Engine:
         # A load started in this step has its completion in ``out``, not yet in the
         # loop's queue: a fast-forward must stop for it too.
         due = [e.time_ns for e in out]
-        queued = self._next_event_time()
+        queued = self._next_event(now)
         if queued is not None:
             due.append(queued)
         return batch, self._batch_ns(now, batch, min(due, default=None))

@@ -1,12 +1,18 @@
-"""Output: one side-by-side table (rich), or a plot (matplotlib)."""
+"""Output: side-by-side tables (rich) that fit the terminal, or a plot (matplotlib)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import IO, Optional
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+
+# Output that is not a terminal (a pipe, a file) gets this width unless COLUMNS says
+# otherwise: the same text from run to run.
+PIPE_WIDTH = 100
 
 
 def _bytes(n: int) -> str:
@@ -69,20 +75,58 @@ def _ttft_rows(summaries: Sequence[dict]) -> list[Row]:
     return rows
 
 
-def print_table(title: str, summaries: Sequence[dict], file: IO[str]) -> None:
-    table = Table()
-    table.add_column("")
-    for s in summaries:
-        table.add_column(s["tier"], justify="right")
-    for name, fmt in (*HEAD, *_ttft_rows(summaries), *TAIL):
-        table.add_row(name, *(fmt(s) for s in summaries))
-    # A fixed width keeps piped output identical from run to run.
-    console = Console(file=file, width=max(100, 30 + 22 * len(summaries)))
-    console.print(title, highlight=False, soft_wrap=True)
-    console.print(table)
-    for s in summaries:
-        for w in s["warnings"]:
-            console.print(f"warning: {w}", highlight=False, soft_wrap=True)
+def output_width(file: IO[str]) -> int:
+    """Columns to fill: COLUMNS when set, else the terminal's, else ``PIPE_WIDTH``."""
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) >= 20:
+        return int(cols)
+    try:
+        if file.isatty():
+            return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        pass
+    return PIPE_WIDTH
+
+
+def print_grid(title: str, header: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]], file: IO[str],
+               lines_before: Sequence[str] = (), lines_after: Sequence[str] = ()) -> None:
+    """``rows`` under ``header`` as tables no wider than the output: when the columns do not
+    fit side by side they continue in a second table below (row labels repeated), so no
+    line is ever wrapped by the terminal. Lines before and after are word-wrapped."""
+    width = output_width(file)
+    console = Console(file=file, width=width)
+    for line in (title, *lines_before):
+        console.print(line, highlight=False)
+
+    def need(i: int) -> int:  # a column's cells, its padding and its border
+        return max(cell_len(header[i]), *(cell_len(r[1][i]) for r in rows)) + 3
+
+    label = max(cell_len(r[0]) for r in rows) + 4  # the label column and the table's last border
+    groups: list[list[int]] = [[]]
+    used = label
+    for i in range(len(header)):
+        if groups[-1] and used + need(i) > width:
+            groups.append([])
+            used = label
+        groups[-1].append(i)
+        used += need(i)
+    for cols in groups:
+        table = Table()
+        table.add_column("")
+        for i in cols:
+            table.add_column(header[i], justify="right")
+        for name, cells in rows:
+            table.add_row(name, *(cells[i] for i in cols))
+        console.print(table)
+    for line in lines_after:
+        console.print(line, highlight=False)
+
+
+def print_table(title: str, summaries: Sequence[dict], file: IO[str], lines_before: Sequence[str] = ()) -> None:
+    """The tiers side by side, then each tier's warnings."""
+    rows = [(name, [fmt(s) for s in summaries]) for name, fmt in (*HEAD, *_ttft_rows(summaries), *TAIL)]
+    print_grid(title, [s["tier"] for s in summaries], rows, file, lines_before,
+               [f"warning: {w}" for s in summaries for w in s["warnings"]])
 
 
 # Overlapping curves stay visible: each tier its own dash pattern and width.

@@ -83,6 +83,15 @@ class TwoLevelTier:
         return self.disk.num_evictions
 
     @property
+    def capacity_units(self) -> int:
+        """What the tier holds: its disk level, which every CPU chunk is written through to."""
+        return self.disk.capacity_units
+
+    @property
+    def ranks(self) -> int:
+        return self.cpu.ranks
+
+    @property
     def pipe(self) -> Optional[Pipeline]:
         return self.disk.pipe
 

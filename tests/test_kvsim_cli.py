@@ -180,3 +180,30 @@ def test_real_mooncake_trace_sampled(capsys):
     assert none["requests"] > 300
     assert disk["offload_hit_rate"] > 0
     assert disk["recomputed_tokens"] < none["recomputed_tokens"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["trace", "replay", MINI, "--tirr", "disk:1TB"], "unrecognized arguments: --tirr (did you mean --tier?)"),
+    (["trace", "replay", "--scenaro", "vllm-pr-49644"], "unrecognized arguments: --scenaro (did you mean --scenario?)"),
+    (["trace", "replay", "--tier=disk:1TB", "--contxts", "4"], "unrecognized arguments: --contxts (did you mean "
+                                                               "--contexts?)"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["trace", "--bogus", "replay"], "unrecognized arguments: --bogus"),
+])
+def test_a_mistyped_option_is_named_not_blamed_on_the_trace(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvsim: error: {message}\n"
+
+
+@pytest.mark.parametrize("columns", [60, 100, 300])
+def test_the_table_fits_the_width_and_continues_below(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["trace", "replay", "--contexts", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    tables = sum(line.startswith("┏") for line in lines)
+    # Seven tiers: one table side by side when wide, several below each other when not,
+    # each with every row.
+    assert (tables == 1) == (columns == 300)
+    assert sum("reload TTFT P90" in line for line in lines) == tables
