@@ -22,13 +22,14 @@ from kvoffload import budget, cli_args
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
 from kvsim.generate import ReloadScenario
-from kvsim.gpu import load_gpu
+from kvsim.gpu import DEFAULT_GPU, GPUS, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
-from kvsim.replay import ReplayConfig, replay
+from kvsim.replay import ReplayConfig, Workload, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
+from kvsim.router import RouterSpec
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
@@ -54,6 +55,8 @@ SIZE = cli_args.Size()
 # Arrival times are integer nanoseconds: beyond a million-fold stretch they stop being
 # a trace's (and past ~1e300 they overflow a float).
 TIME_SCALE = cli_args.Number(above=0.0, maximum=1e6)
+# Each replica is its own engine in one event loop: a few tens is a cluster.
+MAX_REPLICAS = 256
 # Generous bytes per hash id a generated request holds (measured ~26 with the default
 # scenario: the tuple slot, the id, the request's share).
 SCENARIO_BYTES_PER_ID = 40
@@ -101,23 +104,30 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _scenario(a: argparse.Namespace) -> tuple[Scenario, ReloadScenario]:
+def _scenario(a: argparse.Namespace, reload_only: bool = False) -> tuple[Scenario, Workload]:
     """The scenario named (or the default) and its workload with the flags given."""
     sc = get_scenario(a.scenario or DEFAULT_SCENARIO)
     given = {k: getattr(a, k) for k in WORKLOAD_FLAGS if getattr(a, k) is not None}
+    if not isinstance(sc.workload, ReloadScenario):
+        if reload_only:
+            raise ValueError(f"--scenario {sc.name}: not a reload scenario (each of its stages starts when the one "
+                             f"before has drained); replay it with trace replay --scenario {sc.name}")
+        _refuse(a, WORKLOAD_FLAGS, f"reload-scenario flags; scenario {sc.name} is not a reload scenario")
     if a.seed is not None:
         given["seed"] = a.seed
     workload = dataclasses.replace(sc.workload, **given)
-    # Every request holds its hash ids: a scenario that cannot fit in memory is refused
-    # before it is built (--contexts 1e30 would otherwise build until the host gave out).
-    requests = 2 * workload.contexts
-    ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
-    need = requests * ids * SCENARIO_BYTES_PER_ID
-    if need > budget.mem_available():
-        raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
-                         f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
-                         f"{budget.mem_available()} available")
-    return sc, workload
+    if isinstance(workload, ReloadScenario):
+        # Every request holds its hash ids: a scenario that cannot fit in memory is refused
+        # before it is built (--contexts 1e30 would otherwise build until the host gave out).
+        requests = 2 * workload.contexts
+        ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
+        need = requests * ids * SCENARIO_BYTES_PER_ID
+        if need > budget.mem_available():
+            raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
+                             f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
+                             f"{budget.mem_available()} available")
+        return sc, Workload.of(workload.requests())
+    return sc, Workload(tuple(workload.stages()), round(workload.interval_s * 1e9))
 
 
 def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -161,8 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-policy", choices=LOAD_POLICIES,
                    help="always load offloaded blocks (vLLM), or recompute when that finishes sooner "
                         "(default: the scenario's, faster for a trace)")
-    r.add_argument("--max-num-batched-tokens", type=POS_INT, default=Hardware.max_num_batched_tokens)
-    r.add_argument("--max-num-seqs", type=POS_INT, default=Hardware.max_num_seqs)
+    r.add_argument("--max-num-batched-tokens", type=POS_INT,
+                   help=f"vLLM's token budget per step (default {Hardware.max_num_batched_tokens})")
+    r.add_argument("--max-num-seqs", type=POS_INT,
+                   help=f"vLLM's running requests at most (default: the scenario's, {Hardware.max_num_seqs})")
+    r.add_argument("--gpu", choices=GPUS, help=f"the GPU's step-time profile (default: the scenario's, "
+                                                f"{DEFAULT_GPU} for a trace; docs/kvsim.md)")
+    r.add_argument("--tp", type=cli_args.Integer(1, 8), help="GPUs per replica, tensor parallel (default: the "
+                                                             "scenario's, 1 for a trace)")
+    r.add_argument("--replicas", type=cli_args.Integer(1, MAX_REPLICAS),
+                   help="replicas behind a prefix-aware router, each with its GPUs and its own tier (default: the "
+                        "scenario's, 1 for a trace)")
     r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
                    help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
                         "memory utilisation)")
@@ -237,7 +256,7 @@ def _replay(a: argparse.Namespace) -> int:
     if a.trace is None:
         _refuse(a, ("time_scale", "sample", "limit"), "trace flags; without a TRACE the reload scenario "
                 "replays (its rates: --fill-rate, --reload-rate)")
-        sc, workload = _scenario(a)
+        sc, work = _scenario(a)
     else:
         _refuse(a, SCENARIO_FLAGS, "reload-scenario flags; they do nothing with a TRACE")
         if a.sample is None:
@@ -250,21 +269,26 @@ def _replay(a: argparse.Namespace) -> int:
     if a.plot:
         _plot_target(a.plot)
     model = _model(a, sc.model if sc else DEFAULT_MODEL)
-    hw = dataclasses.replace(Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv or (sc.gpu_kv_bytes if sc else None),
-                             host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
+    gpu = load_gpu(a.gpu or (sc.gpu if sc else DEFAULT_GPU))
+    gpu_kv = a.gpu_kv or (sc.gpu_kv_bytes if sc else None)
+    if gpu_kv is None and sc is not None and sc.gpu_kv_tokens is not None:
+        gpu_kv = sc.gpu_kv_tokens * model.kv_bytes_per_token  # as the source states it, in tokens
+    hw = Hardware(gpu=gpu.name, tp=a.tp or (sc.tp if sc else 1), block_size=a.block_size,
+                  max_num_batched_tokens=a.max_num_batched_tokens or Hardware.max_num_batched_tokens,
+                  max_num_seqs=a.max_num_seqs or (sc.max_num_seqs if sc and sc.max_num_seqs else Hardware.max_num_seqs),
+                  gpu_kv_bytes=gpu_kv,
+                  host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
     profile = load_profile(a.hardware or (sc.hardware if sc else DEFAULT_PROFILE))
     policy = a.load_policy or (sc.load_policy if sc else "faster")
-    gpu = load_gpu(hw.gpu)
-    gpu_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
+    replica_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
+    replicas = a.replicas or (sc.replicas if sc else 1)
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
-        requests = workload.requests()
         title = f"scenario {sc.name}"
         said = [f"kvsim: scenario {sc.name}: {sc.summary}"]
     else:
-        requests = read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit)
+        work = Workload.of(read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit))
         title = a.trace
         said = [f"kvsim: trace {a.trace}"]
     said.append(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}")
@@ -276,36 +300,56 @@ def _replay(a: argparse.Namespace) -> int:
         while said:
             print(said.pop(0), file=sys.stderr)
 
-    title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {gpu_kv / 1e9:,.1f} GB, "
-             f"hardware {profile.name}, load policy {policy}")
-    cfg = ReplayConfig(model, hw, policy, profile, gpu)
+    where = f"{replicas} replicas of " if replicas > 1 else ""
+    title = (f"{title}: {len(work):,} requests, {model.name} on {where}{hw.tp if hw.tp > 1 else 'one'} "
+             f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
+             f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
+    cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, sc.router if sc else RouterSpec())
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:
         from rich.progress import Progress
         with Progress(transient=True) as bar:
             for spec in tiers:
-                task = bar.add_task(spec.text, total=len(requests))
-                s, t = replay(requests, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
+                task = bar.add_task(spec.text, total=len(work))
+                s, t = replay(work, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
                 say()
                 summaries.append(s)
                 ttfts.append(t)
     else:
         for spec in tiers:
-            s, t = replay(requests, spec, cfg)
+            s, t = replay(work, spec, cfg)
             say()
             summaries.append(s)
             ttfts.append(t)
+    published = sc.published if sc else None
+    overload = None
+    if sc is None:  # a scenario's rates are its point; a trace's come from a cluster kvsim may be smaller than
+        from kvsim.report import overload_line, overloaded
+        gpus = f"{hw.tp} {gpu.name.upper()}s" if hw.tp > 1 else f"one {gpu.name.upper()}"
+        overload = overload_line(summaries, a.time_scale or 1.0, replicas,
+                                 f"{where}{gpus} serving {model.name}")
+        for s in summaries:  # the line says why they queue
+            if overloaded(s):
+                s["warnings"] = [w for w in s["warnings"] if "queueing for the GPU" not in w]
     if a.json:
-        resolved = dataclasses.replace(hw, gpu_kv_bytes=gpu_kv)
+        resolved = dataclasses.replace(hw, gpu_kv_bytes=replica_kv)
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
-               "hardware": dataclasses.asdict(resolved), "io_profile": profile.name, "load_policy": cfg.load_policy,
-               "tiers": summaries}
+               "hardware": dataclasses.asdict(resolved), "gpu": gpu.name, "replicas": replicas,
+               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload}
+        if published is not None:
+            from kvsim.report import comparison
+            doc["published"] = comparison(summaries, published)
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
+        if overload:
+            print(f"kvsim: {overload}", file=sys.stderr)
     else:
-        from kvsim.report import print_table
-        print_table(title, summaries, sys.stdout)
+        from kvsim.report import print_published, print_table
+        if published is not None:
+            print_published(title, summaries, published, sys.stdout)
+        print_table(title, summaries, sys.stdout, [f"kvsim: {overload}"] if overload else (),
+                    phases=published is None)
     if a.plot:
         from kvsim.report import plot
         plot(a.plot, summaries, ttfts, title)
@@ -314,7 +358,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _generate(a: argparse.Namespace) -> int:
-    requests = _scenario(a)[1].requests()
+    requests = _scenario(a, reload_only=True)[1].all()
     if a.out:
         text = io.StringIO()
         write_kvsim(requests, text)

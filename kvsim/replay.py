@@ -173,9 +173,11 @@ def _phase(reqs: Sequence[Request]) -> dict:
     arrival to its last finish."""
     ttft = _ttft(reqs)
     e2e = np.array([r.finish_ns - r.arrival_ns for r in reqs], dtype=np.int64)
-    span = (max(r.finish_ns for r in reqs) - min(r.arrival_ns for r in reqs)) / 1e9
+    first, last = min(r.arrival_ns for r in reqs), max(r.finish_ns for r in reqs)
+    span = (last - first) / 1e9
     out_tokens = sum(r.output for r in reqs)
-    return {"requests": len(reqs), "ttft_ms": {"mean": _ms(ttft.mean()), **_pcts(ttft)},
+    return {"requests": len(reqs), "first_arrival_s": round(first / 1e9, 3), "last_finish_s": round(last / 1e9, 3), "tokens_per_request": round(sum(r.prompt + r.output for r in reqs) / len(reqs), 1),
+            "ttft_ms": {"mean": _ms(ttft.mean()), **_pcts(ttft)},
             "e2e_ms": {"mean": _ms(e2e.mean()), **_pcts(e2e)},
             "tokens_per_s": round((sum(r.prompt for r in reqs) + out_tokens) / span, 1) if span else None,
             "output_tokens_per_s": round(out_tokens / span, 1) if span else None}
@@ -224,7 +226,13 @@ def summarize(engines: Sequence[Engine], spec: TierSpec, profile: IoProfile, end
         "tier_evictions": sum(t.num_evictions for t in tiers),
         # Offered against served: the arrivals' span, and the GPU time the busiest replica
         # spent on its steps (over the span: above 1, the work outlasts the arrivals).
+        "first_arrival_s": round(first / 1e9, 3),
         "arrival_span_s": round((last - first) / 1e9, 3),
+        # After the last arrival: how long the backlog took to drain, against how long one
+        # request takes once admitted (P90).
+        "drain_s": round((max((r.finish_ns for r in done), default=0) - last) / 1e9, 3),
+        "service_p90_s": round(float(np.percentile([r.finish_ns - r.admitted_ns for r in done], 90)) / 1e9, 3)
+        if done else 0.0,
         "gpu_busy_s": round(max(e.busy_ns for e in engines) / 1e9, 3),
         "makespan_s": round(max(end_ns, 1) / 1e9, 3),
         "steps": sum(e.num_steps for e in engines),
@@ -257,6 +265,7 @@ def _add_io(out: dict, tiers: Sequence[Tier], profile: IoProfile, end_ns: int) -
     out["pcie_d2h_util"] = round(out["bytes_stored"] / links / bytes_per_ns(profile.pcie_d2h_gib_s) / span, 4)
     if tiers[0].pipe is None:
         return
+    out["disk_bytes_read"] = sum(t.disk_bytes_read for t in tiers)  # loads the page cache did not serve
     for key, nbytes, d in (("disk_read_util", sum(t.disk_bytes_read for t in tiers), profile.disk_read),
                            ("disk_write_util", sum(t.disk_bytes_written() for t in tiers), profile.disk_write)):
         ios = nbytes / x.block_bytes  # one IO per slot

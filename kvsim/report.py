@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 from rich.cells import cell_len
 from rich.console import Console
@@ -95,7 +96,7 @@ def print_grid(title: str, header: Sequence[str], rows: Sequence[tuple[str, Sequ
     line is ever wrapped by the terminal. Lines before and after are word-wrapped."""
     width = output_width(file)
     console = Console(file=file, width=width)
-    for line in (title, *lines_before):
+    for line in (title, *lines_before) if title else lines_before:
         console.print(line, highlight=False)
 
     def need(i: int) -> int:  # a column's cells, its padding and its border
@@ -122,11 +123,117 @@ def print_grid(title: str, header: Sequence[str], rows: Sequence[tuple[str, Sequ
         console.print(line, highlight=False)
 
 
-def print_table(title: str, summaries: Sequence[dict], file: IO[str], lines_before: Sequence[str] = ()) -> None:
-    """The tiers side by side, then each tier's warnings."""
-    rows = [(name, [fmt(s) for s in summaries]) for name, fmt in (*HEAD, *_ttft_rows(summaries), *TAIL)]
-    print_grid(title, [s["tier"] for s in summaries], rows, file, lines_before,
+def print_table(title: str, summaries: Sequence[dict], file: IO[str], lines_before: Sequence[str] = (),
+                phases: bool = True) -> None:
+    """The tiers side by side, then each tier's warnings. ``phases``: the TTFT rows (else
+    a table before this one gave them, and the title too)."""
+    ttft = _ttft_rows(summaries) if phases else []
+    rows = [(name, [fmt(s) for s in summaries]) for name, fmt in (*HEAD, *ttft, *TAIL)]
+    print_grid(title if phases else "", [s["tier"] for s in summaries], rows, file, lines_before,
                [f"warning: {w}" for s in summaries for w in s["warnings"]])
+
+
+# A trace's replay is overloaded when its backlog at the last arrival takes longer to
+# drain than a fiftieth of the trace and a few requests' own service: the queue grew all
+# along (a burst drains in about one request's time).
+OVERLOAD_DRAIN_SHARE, OVERLOAD_SERVICES = 0.02, 3
+# What the suggested --time-scale or --replicas aims at: the tier's served rate with this
+# much headroom for bursts.
+OVERLOAD_HEADROOM = 1.25
+
+
+def overloaded(s: dict) -> Optional[float]:
+    """How many times more prompt tokens per second the trace offered than the tier served,
+    when its backlog outlasted the arrivals (else None)."""
+    span = s["arrival_span_s"]
+    if not span or s["drain_s"] <= OVERLOAD_DRAIN_SHARE * span + OVERLOAD_SERVICES * s["service_p90_s"]:
+        return None
+    return (span + s["drain_s"]) / span
+
+
+def overload_line(summaries: Sequence[dict], time_scale: float, replicas: int, what: str) -> Optional[str]:
+    """One line when the trace offered more than the deployment served: the numbers, and a
+    --time-scale and a --replicas that would serve it; None when every tier kept up."""
+    over = {s["tier"]: overloaded(s) for s in summaries}
+    worst = max((f for f in over.values() if f), default=None)
+    if worst is None:
+        return None
+    s = summaries[0]
+    span = s["arrival_span_s"]
+    served = ", ".join(f"{t} {x['prompt_tokens'] / (x['arrival_span_s'] + x['drain_s']):,.0f}"
+                       for t, x in zip(over, summaries) if over[t])
+    need = worst * OVERLOAD_HEADROOM
+    scale = math.ceil(time_scale * need * 10) / 10
+    return (f"overloaded: the trace offers {s['prompt_tokens'] / span:,.0f} prompt tokens/s over {span:,.0f} s "
+            f"({s['requests']:,} requests); {what} served {served} tokens/s, so its TTFTs are mostly queueing. "
+            f"--time-scale {scale:g} or --replicas {math.ceil(replicas * need)} would serve it")
+# A stage collapses when it serves less than this share of the tokens it is offered:
+# its queue then grows for the whole stage.
+COLLAPSE_SERVED = 0.85
+_METRICS = (("mean TTFT", 0), ("P90 TTFT", 1), ("mean E2E", 2), ("P90 E2E", 3), ("tokens/s", 4))
+
+
+def _kvsim_row(phase: dict) -> tuple[float, ...]:
+    t, e = phase["ttft_ms"], phase["e2e_ms"]
+    return t["mean"] / 1e3, t["p90"] / 1e3, e["mean"] / 1e3, e["p90"] / 1e3, phase["tokens_per_s"]
+
+
+def _offered(phase_name: str, phase: dict) -> Optional[float]:
+    """Tokens per second a rate stage offers (its rate times a request's tokens)."""
+    try:
+        rate = float(phase_name.split()[0])
+    except ValueError:
+        return None
+    return rate * phase["tokens_per_request"]
+
+
+def comparison(summaries: Sequence[dict], published: Any) -> dict:
+    """kvsim's figures beside a published table: per phase and tier, each metric's kvsim
+    value, the published one and their ratio; and where each run collapses."""
+    rows = []
+    for s in summaries:
+        for name, ph in s["phases"].items():
+            pub = published.row(name, s["tier"])
+            if pub is None:
+                continue
+            ours = _kvsim_row(ph)
+            rows.append({"phase": name, "tier": s["tier"], "configuration": published.configurations[
+                "none" if s["tier"] == "none" else "offload"],
+                **{m: {"kvsim": round(ours[i], 3), "published": pub[i], "ratio": round(ours[i] / pub[i], 3)}
+                   for m, i in _METRICS}})
+    collapse = {}
+    for s in summaries:
+        offered = {n: _offered(n, ph) for n, ph in s["phases"].items()}
+        ours = next((n for n, ph in s["phases"].items() if offered[n] and ph["tokens_per_s"] < COLLAPSE_SERVED
+                     * offered[n]), None)
+        theirs = next((n for n, ph in s["phases"].items() if offered[n] and (p := published.row(n, s["tier"]))
+                       and p[4] < COLLAPSE_SERVED * offered[n]), None)
+        collapse[s["tier"]] = {"kvsim": ours, "published": theirs}
+    return {"source": published.source, "rows": rows, "collapses_at": collapse,
+            "collapse_rule": f"the first stage serving less than {COLLAPSE_SERVED:.0%} of the tokens it offers"}
+
+
+def _s(v: float) -> str:
+    return f"{v:.2f} s" if v < 100 else f"{v:.0f} s"
+
+
+def print_published(title: str, summaries: Sequence[dict], published: Any, file: IO[str]) -> None:
+    """Per stage and tier: mean and P90 TTFT and throughput, kvsim's beside the published."""
+    doc = comparison(summaries, published)
+    header = ["mean TTFT kvsim / published", "P90 TTFT", "tokens/s (in + out)"]
+    rows = []
+    for r in doc["rows"]:
+        cells = []
+        for m, fmt in (("mean TTFT", _s), ("P90 TTFT", _s), ("tokens/s", lambda v: f"{v / 1e3:,.0f}K")):
+            c = r[m]
+            cells.append(f"{fmt(c['kvsim'])} / {fmt(c['published'])}  x{c['ratio']:.2f}")
+        rows.append((f"{r['phase']} {r['tier']}", cells))
+    col = doc["collapses_at"]
+    after = [f"collapses at ({doc['collapse_rule']}): "
+             + "; ".join(f"{t}: kvsim {c['kvsim'] or 'none'}, published {c['published'] or 'none'}"
+                         for t, c in col.items()),
+             f"published: {doc['source']}"]
+    print_grid(title, header, rows, file, lines_after=after)
 
 
 # Overlapping curves stay visible: each tier its own dash pattern and width.
