@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,17 @@ def test_the_table_fits_the_width_and_continues_below(capsys, monkeypatch, colum
     # each with every row.
     assert (tables == 1) == (columns == 300)
     assert sum("reload TTFT P90" in line for line in lines) == tables
+
+
+def test_the_readmes_main_job_warns_only_as_the_readme_explains(capsys):
+    # The README says the default replay ends with two warnings, for none and cpu:8GiB
+    # (queueing: the GPU sets their TTFT); any other warning would go unexplained.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "It ends with two warnings, for `none` and `cpu:8GiB`" in readme
+    assert main(["trace", "replay"]) == 0
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    warned = re.findall(r"warning: (\S+): ", text)
+    assert warned == ["none", "cpu:8GiB"]
+    assert all("queueing for the GPU is 57% of TTFT" in w for w in text.split("warning: ")[1:])
+    assert "kvsim: overloaded" not in text
