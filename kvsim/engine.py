@@ -101,7 +101,7 @@ class Engine:
 
     def on_io_done(self, ev: Event) -> list[Event]:
         # Only an idle engine cares: a busy one polls at its next step boundary.
-        return self._kick(ev.time_ns) if self.num_parked else []
+        return self._kick(ev.time_ns) if self.num_parked or self.waiting else []
 
     def _kick(self, now: int) -> list[Event]:
         if self._busy:
@@ -139,6 +139,12 @@ class Engine:
             heapq.heappush(self._io_due, e.time_ns)
         if batch is None:
             self._busy = False
+            if self.waiting and self.tier is not None:
+                # Waiting requests blocked by GPU blocks that stores still hold: nothing else
+                # would wake the engine when the first store is done (stores send no event).
+                done = self.tier.first_store_done()
+                if done is not None and done > now:
+                    out.append(Event(done, Kind.IO_DONE, target=self))
             return out
         self.num_steps += batch.steps
         self.busy_ns += dur

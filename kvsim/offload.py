@@ -254,6 +254,11 @@ class OffloadTier:
             return 0
         return self._writeback.bytes_written if self._writeback is not None else self.bytes_stored
 
+    def first_store_done(self) -> Optional[int]:
+        """When the first store still queued is done: the next poll that releases GPU blocks."""
+        jobs = self._jobs[True]
+        return jobs[0].done_ns if jobs else None
+
     def pending_stores(self, now: int) -> tuple[int, int, int]:
         """Store jobs not done at ``now``: (jobs, bytes, ns until the last is done)."""
         late = [j for j in self._jobs[True] if j.done_ns > now]

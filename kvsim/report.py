@@ -143,12 +143,13 @@ OVERLOAD_HEADROOM = 1.25
 
 
 def overloaded(s: dict) -> Optional[float]:
-    """How many times more prompt tokens per second the trace offered than the tier served,
-    when its backlog outlasted the arrivals (else None)."""
-    span = s["arrival_span_s"]
-    if not span or s["drain_s"] <= OVERLOAD_DRAIN_SHARE * span + OVERLOAD_SERVICES * s["service_p90_s"]:
+    """How many times more work the trace offered than the tier served in time, when its
+    backlog outlasted the arrivals (else None): the span plus the drain over the span, or,
+    for arrivals all at once, the drain over what a few requests' service allows."""
+    span, drain, service = s["arrival_span_s"], s["drain_s"], OVERLOAD_SERVICES * s["service_p90_s"]
+    if drain <= OVERLOAD_DRAIN_SHARE * span + service or not drain:
         return None
-    return (span + s["drain_s"]) / span
+    return (span + drain) / span if span else drain / max(service, 1e-3)
 
 
 def overload_line(summaries: Sequence[dict], time_scale: float, replicas: int, what: str) -> Optional[str]:
@@ -163,10 +164,16 @@ def overload_line(summaries: Sequence[dict], time_scale: float, replicas: int, w
     served = ", ".join(f"{t} {x['prompt_tokens'] / (x['arrival_span_s'] + x['drain_s']):,.0f}"
                        for t, x in zip(over, summaries) if over[t])
     need = worst * OVERLOAD_HEADROOM
+    more = f"--replicas {math.ceil(replicas * need)} would serve it"
+    if not span:  # arrivals all at once: stretching them changes nothing
+        return (f"overloaded: the trace's {s['requests']:,} requests ({s['prompt_tokens']:,} prompt tokens) arrive at "
+                f"once; {what} served {served} tokens/s, so its TTFTs are mostly queueing. {more}")
     scale = math.ceil(time_scale * need * 10) / 10
     return (f"overloaded: the trace offers {s['prompt_tokens'] / span:,.0f} prompt tokens/s over {span:,.0f} s "
             f"({s['requests']:,} requests); {what} served {served} tokens/s, so its TTFTs are mostly queueing. "
-            f"--time-scale {scale:g} or --replicas {math.ceil(replicas * need)} would serve it")
+            f"--time-scale {scale:g} or {more}")
+
+
 # A stage collapses when it serves less than this share of the tokens it is offered:
 # its queue then grows for the whole stage.
 COLLAPSE_SERVED = 0.85

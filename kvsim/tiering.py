@@ -110,6 +110,10 @@ class TwoLevelTier:
     def disk_bytes_written(self) -> int:
         return self.disk.disk_bytes_written()
 
+    def first_store_done(self) -> Optional[int]:
+        """When the first GPU -> CPU store still queued is done (it holds GPU blocks)."""
+        return self.cpu.first_store_done()
+
     def pending_stores(self, now: int) -> tuple[int, int, int]:
         """Stores into either level not done at ``now``: (jobs, bytes, ns until the last is done)."""
         (j1, b1, t1), (j2, b2, t2) = self.cpu.pending_stores(now), self.disk.pending_stores(now)

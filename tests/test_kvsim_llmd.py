@@ -200,3 +200,27 @@ def test_stages_start_once_the_one_before_has_drained():
     first, second = s["phases"]["2 QPS"], s["phases"]["4 QPS"]
     assert second["first_arrival_s"] >= first["last_finish_s"] + 7
     assert second["tokens_per_s"] > first["tokens_per_s"]
+
+
+def _burst(path: Path) -> None:
+    with path.open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"timestamp": 0, "input_length": 8192, "output_length": 64,
+                                "hash_ids": list(range(i * 16, i * 16 + 16))}) + "\n")
+
+
+def test_a_burst_whose_stores_hold_the_gpu_drains_and_says_how_to_split_it(tmp_path, capsys):
+    # 300 distinct 8K-token prompts at once: the GPU fills with blocks the disk tier's stores
+    # still hold; the idle engine used to wait for a store completion that sends no event,
+    # and the replay ended with requests waiting. It wakes at the first store's end now.
+    trace = tmp_path / "burst.jsonl"
+    _burst(trace)
+    assert main(["trace", "replay", str(trace), "--tier", "disk:1TB", "--json"]) == 0
+    captured = capsys.readouterr()
+    t = json.loads(captured.out)["tiers"][0]
+    assert t["requests"] == 300 and t["offload_hit_rate"] == 0
+    m = re.search(r"kvsim: overloaded: the trace's 300 requests \(2,457,600 prompt tokens\) arrive at once; .* "
+                  r"--replicas (\d+) would serve it", captured.err)
+    assert m and "--time-scale" not in captured.err, captured.err
+    assert main(["trace", "replay", str(trace), "--tier", "disk:1TB", "--replicas", m.group(1), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overload"] is None
