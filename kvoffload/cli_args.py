@@ -59,6 +59,39 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("parser_class", Parser)
         return super().add_subparsers(**kwargs)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # Unknown options are named before argparse matches positionals: it sets them
+        # aside, so a mistyped flag's value became the positional (``--tirr disk:1TB``
+        # was "trace: disk:1TB: no such file") or the command went missing.
+        args = list(sys.argv[1:] if args is None else args)
+        self._refuse_unknown_options(args)
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_unknown_options(self, args: list[str]) -> None:
+        """``unrecognized arguments: --tirr (did you mean --tier?)`` for every option this
+        parser does not know; a subcommand's arguments are its own parser's to check."""
+        commands = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        known = self._option_string_actions
+        unknown = []
+        for arg in args:
+            if arg == "--":
+                break
+            if not arg.startswith(tuple(self.prefix_chars)) or len(arg) < 2:
+                if commands:
+                    break  # the command: what follows is its parser's
+                continue
+            if self._negative_number_matcher.match(arg) and not self._has_negative_number_optionals:
+                continue  # a value such as -1
+            name = arg.split("=", 1)[0]
+            if name in known or (not name.startswith("--") and name[:2] in known):  # -ofile is -o file
+                continue
+            if self.allow_abbrev and name.startswith("--") and any(o.startswith(name) for o in known):
+                continue  # an abbreviation argparse resolves (or calls ambiguous)
+            close = difflib.get_close_matches(name, [o for o in known if o.startswith("--")], n=1)
+            unknown.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+
 
 def main(prog: str, run: Callable[[], int], errors: tuple[type[BaseException], ...] = ()) -> int:
     """``run()``'s exit code, or 2 after one line ``PROG: error: ...`` on stderr for a

@@ -22,12 +22,14 @@ from kvoffload import budget, cli_args
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
 from kvsim.generate import ReloadScenario
+from kvsim.gpu import DEFAULT_GPU, GPUS, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
-from kvsim.replay import ReplayConfig, replay
+from kvsim.replay import ReplayConfig, Workload, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
+from kvsim.router import RouterSpec
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
@@ -41,6 +43,7 @@ COMMANDS = """commands:
   trace generate reload       write the reload scenario as a kvsim trace
   trace hitrate TRACE         untimed LRU token hit rate at given capacities (the oracle)
   calibrate BENCH.json        fit an IO hardware profile to `python -m kvoffload.bench --json`
+  calibrate gpu               time engine steps on this machine's GPU and fit the step-time model
 """
 
 
@@ -52,6 +55,8 @@ SIZE = cli_args.Size()
 # Arrival times are integer nanoseconds: beyond a million-fold stretch they stop being
 # a trace's (and past ~1e300 they overflow a float).
 TIME_SCALE = cli_args.Number(above=0.0, maximum=1e6)
+# Each replica is its own engine in one event loop: a few tens is a cluster.
+MAX_REPLICAS = 256
 # Generous bytes per hash id a generated request holds (measured ~26 with the default
 # scenario: the tuple slot, the id, the request's share).
 SCENARIO_BYTES_PER_ID = 40
@@ -62,6 +67,19 @@ def _tier(text: str):
         return parse_tier(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bench_or_gpu(text: str) -> str:
+    """``gpu``, or a bench JSON that exists."""
+    return text if text == "gpu" else TRACE_FILE(text)
+
+
+# The layer stacks calibrate gpu times by default: what the scenarios and the trace
+# default run (Qwen3-32B on one H200, and as one of two H100s of llm-d's TP=2 replicas;
+# Llama-3-8B for a trace).
+CAL_MODELS = ("qwen3-32b", "qwen3-32b:tp2", "llama3-8b")
+GPU_MODELS = cli_args.Names(tuple(f"{m}{tp}" for m in sorted(MODELS) if MODELS[m].buildable
+                                  for tp in ("", ":tp2", ":tp4", ":tp8")))
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
@@ -86,23 +104,30 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _scenario(a: argparse.Namespace) -> tuple[Scenario, ReloadScenario]:
+def _scenario(a: argparse.Namespace, reload_only: bool = False) -> tuple[Scenario, Workload]:
     """The scenario named (or the default) and its workload with the flags given."""
     sc = get_scenario(a.scenario or DEFAULT_SCENARIO)
     given = {k: getattr(a, k) for k in WORKLOAD_FLAGS if getattr(a, k) is not None}
+    if not isinstance(sc.workload, ReloadScenario):
+        if reload_only:
+            raise ValueError(f"--scenario {sc.name}: not a reload scenario (each of its stages starts when the one "
+                             f"before has drained); replay it with trace replay --scenario {sc.name}")
+        _refuse(a, WORKLOAD_FLAGS, f"reload-scenario flags; scenario {sc.name} is not a reload scenario")
     if a.seed is not None:
         given["seed"] = a.seed
     workload = dataclasses.replace(sc.workload, **given)
-    # Every request holds its hash ids: a scenario that cannot fit in memory is refused
-    # before it is built (--contexts 1e30 would otherwise build until the host gave out).
-    requests = 2 * workload.contexts
-    ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
-    need = requests * ids * SCENARIO_BYTES_PER_ID
-    if need > budget.mem_available():
-        raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
-                         f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
-                         f"{budget.mem_available()} available")
-    return sc, workload
+    if isinstance(workload, ReloadScenario):
+        # Every request holds its hash ids: a scenario that cannot fit in memory is refused
+        # before it is built (--contexts 1e30 would otherwise build until the host gave out).
+        requests = 2 * workload.contexts
+        ids = -(-(workload.prefix_len + workload.context_len + workload.suffix_len) // workload.block_tokens)
+        need = requests * ids * SCENARIO_BYTES_PER_ID
+        if need > budget.mem_available():
+            raise ValueError(f"{', '.join(_flag(k) for k in given if k != 'seed') or sc.name}: the scenario's "
+                             f"{requests} requests of {ids} hash ids need about {need} bytes of memory, "
+                             f"{budget.mem_available()} available")
+        return sc, Workload.of(workload.requests())
+    return sc, Workload(tuple(workload.stages()), round(workload.interval_s * 1e9))
 
 
 def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -146,8 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-policy", choices=LOAD_POLICIES,
                    help="always load offloaded blocks (vLLM), or recompute when that finishes sooner "
                         "(default: the scenario's, faster for a trace)")
-    r.add_argument("--max-num-batched-tokens", type=POS_INT, default=Hardware.max_num_batched_tokens)
-    r.add_argument("--max-num-seqs", type=POS_INT, default=Hardware.max_num_seqs)
+    r.add_argument("--max-num-batched-tokens", type=POS_INT,
+                   help=f"vLLM's token budget per step (default {Hardware.max_num_batched_tokens})")
+    r.add_argument("--max-num-seqs", type=POS_INT,
+                   help=f"vLLM's running requests at most (default: the scenario's, {Hardware.max_num_seqs})")
+    r.add_argument("--gpu", choices=GPUS, help=f"the GPU's step-time profile (default: the scenario's, "
+                                                f"{DEFAULT_GPU} for a trace; docs/kvsim.md)")
+    r.add_argument("--tp", type=cli_args.Integer(1, 8), help="GPUs per replica, tensor parallel (default: the "
+                                                             "scenario's, 1 for a trace)")
+    r.add_argument("--replicas", type=cli_args.Integer(1, MAX_REPLICAS),
+                   help="replicas behind a prefix-aware router, each with its GPUs and its own tier (default: the "
+                        "scenario's, 1 for a trace)")
     r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
                    help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
                         "memory utilisation)")
@@ -176,17 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--seed", type=NONNEG_INT, help="seed of --sample (0)")
     h.add_argument("--json", action="store_true", help="one JSON object, rates at full precision")
 
-    c = cmds.add_parser("calibrate", help="fit an IO hardware profile to kvoffload's bench",
-                        description="Fit kvsim's IO profile to `python -m kvoffload.bench --json` output and "
-                                    "print how well kvsim then predicts the bench's own cases.")
-    c.add_argument("bench", metavar="BENCH.json", type=TRACE_FILE)
+    c = cmds.add_parser("calibrate", help="fit an IO profile to kvoffload's bench, or the GPU's step time",
+                        description="BENCH.json: fit kvsim's IO profile to `python -m kvoffload.bench --json` "
+                                    "output. gpu: time engine steps of layer stacks on this machine's GPU and fit "
+                                    "the step-time model. Each prints how well the fit predicts what it measured.")
+    c.add_argument("bench", metavar="BENCH.json|gpu", type=_bench_or_gpu)
     c.add_argument("-o", "--out", metavar="FILE", type=cli_args.OutputFile(),
                    help="write the profile here (default: stdout, table on stderr)")
     c.add_argument("--name", help="profile name (default: the output file's stem, or the bench file's)")
-    c.add_argument("--base", metavar="PROFILE",
-                   help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
-    c.add_argument("--drives", type=POS_INT,
-                   help="drives the profile has (default: the bench's directories; every rate is one drive's)")
+    io_ = c.add_argument_group("IO (calibrate BENCH.json)")
+    io_.add_argument("--base", metavar="PROFILE",
+                     help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
+    io_.add_argument("--drives", type=POS_INT,
+                     help="drives the profile has (default: the bench's directories; every rate is one drive's)")
+    gg = c.add_argument_group("GPU (calibrate gpu)")
+    gg.add_argument("--models", type=GPU_MODELS, metavar="MODEL[:tpN],...",
+                    help=f"layer stacks to time, each as one GPU of tensor parallelism N holds it "
+                         f"(default {','.join(CAL_MODELS)})")
+    gg.add_argument("--depth", type=cli_args.Integer(1, 16), help="layers in each timed stack (default 4)")
+    gg.add_argument("--budget-s", type=cli_args.Number(above=0.0, maximum=3600.0),
+                    help="stop timing new shapes after this many seconds (default 200)")
+    gg.add_argument("--device", choices=("cuda", "cpu"), help="where to time (default cuda; cpu with --smoke "
+                                                             "checks the code path)")
+    gg.add_argument("--smoke", action="store_true", help="a few tiny shapes: every code path once, no real timing")
+    gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE,
+                    help="fit to the measurements in FILE (a GPU profile or a `calibrate gpu` output) instead of "
+                         "timing again")
     return top
 
 
@@ -207,7 +256,7 @@ def _replay(a: argparse.Namespace) -> int:
     if a.trace is None:
         _refuse(a, ("time_scale", "sample", "limit"), "trace flags; without a TRACE the reload scenario "
                 "replays (its rates: --fill-rate, --reload-rate)")
-        sc, workload = _scenario(a)
+        sc, work = _scenario(a)
     else:
         _refuse(a, SCENARIO_FLAGS, "reload-scenario flags; they do nothing with a TRACE")
         if a.sample is None:
@@ -220,20 +269,26 @@ def _replay(a: argparse.Namespace) -> int:
     if a.plot:
         _plot_target(a.plot)
     model = _model(a, sc.model if sc else DEFAULT_MODEL)
-    hw = dataclasses.replace(Hardware(), block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv or (sc.gpu_kv_bytes if sc else None),
-                             host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
+    gpu = load_gpu(a.gpu or (sc.gpu if sc else DEFAULT_GPU))
+    gpu_kv = a.gpu_kv or (sc.gpu_kv_bytes if sc else None)
+    if gpu_kv is None and sc is not None and sc.gpu_kv_tokens is not None:
+        gpu_kv = sc.gpu_kv_tokens * model.kv_bytes_per_token  # as the source states it, in tokens
+    hw = Hardware(gpu=gpu.name, tp=a.tp or (sc.tp if sc else 1), block_size=a.block_size,
+                  max_num_batched_tokens=a.max_num_batched_tokens or Hardware.max_num_batched_tokens,
+                  max_num_seqs=a.max_num_seqs or (sc.max_num_seqs if sc and sc.max_num_seqs else Hardware.max_num_seqs),
+                  gpu_kv_bytes=gpu_kv,
+                  host_free_bytes=a.host_free or (sc.host_free_bytes if sc else Hardware.host_free_bytes))
     profile = load_profile(a.hardware or (sc.hardware if sc else DEFAULT_PROFILE))
     policy = a.load_policy or (sc.load_policy if sc else "faster")
-    gpu_kv = hw.kv_bytes(model)  # refuses a model that leaves no KV cache, before anything is printed
+    replica_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
+    replicas = a.replicas or (sc.replicas if sc else 1)
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
-        requests = workload.requests()
         title = f"scenario {sc.name}"
         said = [f"kvsim: scenario {sc.name}: {sc.summary}"]
     else:
-        requests = read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit)
+        work = Workload.of(read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit))
         title = a.trace
         said = [f"kvsim: trace {a.trace}"]
     said.append(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}")
@@ -245,36 +300,56 @@ def _replay(a: argparse.Namespace) -> int:
         while said:
             print(said.pop(0), file=sys.stderr)
 
-    title = (f"{title}: {len(requests):,} requests, {model.name}, GPU KV {gpu_kv / 1e9:,.1f} GB, "
-             f"hardware {profile.name}, load policy {policy}")
-    cfg = ReplayConfig(model, hw, policy, profile)
+    where = f"{replicas} replicas of " if replicas > 1 else ""
+    title = (f"{title}: {len(work):,} requests, {model.name} on {where}{hw.tp if hw.tp > 1 else 'one'} "
+             f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
+             f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
+    cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, sc.router if sc else RouterSpec())
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:
         from rich.progress import Progress
         with Progress(transient=True) as bar:
             for spec in tiers:
-                task = bar.add_task(spec.text, total=len(requests))
-                s, t = replay(requests, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
+                task = bar.add_task(spec.text, total=len(work))
+                s, t = replay(work, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
                 say()
                 summaries.append(s)
                 ttfts.append(t)
     else:
         for spec in tiers:
-            s, t = replay(requests, spec, cfg)
+            s, t = replay(work, spec, cfg)
             say()
             summaries.append(s)
             ttfts.append(t)
+    published = sc.published if sc else None
+    overload = None
+    if sc is None:  # a scenario's rates are its point; a trace's come from a cluster kvsim may be smaller than
+        from kvsim.report import overload_line, overloaded
+        gpus = f"{hw.tp} {gpu.name.upper()}s" if hw.tp > 1 else f"one {gpu.name.upper()}"
+        overload = overload_line(summaries, a.time_scale or 1.0, replicas,
+                                 f"{where}{gpus} serving {model.name}")
+        for s in summaries:  # the line says why they queue
+            if overloaded(s):
+                s["warnings"] = [w for w in s["warnings"] if "queueing for the GPU" not in w]
     if a.json:
-        resolved = dataclasses.replace(hw, gpu_kv_bytes=gpu_kv)
+        resolved = dataclasses.replace(hw, gpu_kv_bytes=replica_kv)
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
-               "hardware": dataclasses.asdict(resolved), "io_profile": profile.name, "load_policy": cfg.load_policy,
-               "tiers": summaries}
+               "hardware": dataclasses.asdict(resolved), "gpu": gpu.name, "replicas": replicas,
+               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload}
+        if published is not None:
+            from kvsim.report import comparison
+            doc["published"] = comparison(summaries, published)
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         sys.stdout.write("\n")
+        if overload:
+            print(f"kvsim: {overload}", file=sys.stderr)
     else:
-        from kvsim.report import print_table
-        print_table(title, summaries, sys.stdout)
+        from kvsim.report import print_published, print_table
+        if published is not None:
+            print_published(title, summaries, published, sys.stdout)
+        print_table(title, summaries, sys.stdout, [f"kvsim: {overload}"] if overload else (),
+                    phases=published is None)
     if a.plot:
         from kvsim.report import plot
         plot(a.plot, summaries, ttfts, title)
@@ -283,7 +358,7 @@ def _replay(a: argparse.Namespace) -> int:
 
 
 def _generate(a: argparse.Namespace) -> int:
-    requests = _scenario(a)[1].requests()
+    requests = _scenario(a, reload_only=True)[1].all()
     if a.out:
         text = io.StringIO()
         write_kvsim(requests, text)
@@ -312,6 +387,11 @@ def _hitrate(a: argparse.Namespace) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
+    if a.bench == "gpu":
+        return _calibrate_gpu(a)
+    _refuse(a, ("models", "depth", "budget_s", "device", "measurements"), "GPU flags; they need calibrate gpu")
+    if a.smoke:
+        raise ValueError("--smoke: a GPU flag; it needs calibrate gpu")
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
     base = load_profile(a.base) if a.base else None
     profile = calibrate(load_bench(a.bench), name, a.bench, base, a.drives)
@@ -327,11 +407,44 @@ def _calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_gpu(a: argparse.Namespace) -> int:
+    from kvsim import gpucal
+
+    _refuse(a, ("base", "drives"), "IO flags; they need calibrate BENCH.json")
+    command = "python -m kvsim " + " ".join(sys.argv[1:] if a.argv is None else a.argv)
+    if a.measurements:
+        _refuse(a, ("models", "depth", "budget_s", "device"), "timing flags; --measurements fits without timing")
+        if a.smoke:
+            raise ValueError("--smoke: a timing flag; --measurements fits without timing")
+        doc = gpucal.read_measurements(a.measurements)
+    else:
+        device = a.device or "cuda"
+        if a.smoke and device == "cuda" or not a.smoke and device == "cpu":
+            raise ValueError("--device cpu and --smoke go together: a CPU times nothing an engine runs, and the "
+                             "smoke shapes are too small to fit")
+        gpucal.require_torch(device)
+        models = [(get_model(m.split(":")[0]), int(m.split(":tp")[1]) if ":tp" in m else 1)
+                  for m in (a.models or CAL_MODELS)]
+        doc = gpucal.run(models, a.out, device, a.depth or 4, a.budget_s or 200.0, a.smoke, command,
+                         cli_args.write_output)
+    name = a.name or (Path(a.out).stem.replace("_", "-").removeprefix("gpu-") if a.out else "gpu")
+    profile, text = gpucal.profile_of(doc, name, command if a.measurements else None)
+    if a.out:
+        cli_args.write_output(a.out, json.dumps(profile.to_json(), indent=1) + "\n")
+        print(text)
+        print(f"kvsim: wrote {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(json.dumps(profile.to_json(), indent=1) + "\n")
+        print(text, file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return cli_args.main("kvsim", lambda: _run(argv), errors=(TraceError, BenchError, ValueError, OSError))
 
 
 def _run(argv: Optional[Sequence[str]]) -> int:
     a = build_parser().parse_args(argv)
+    a.argv = list(argv) if argv is not None else None  # for the command a profile records
     run = {"replay": _replay, "generate": _generate, "hitrate": _hitrate}.get(getattr(a, "action", None), _calibrate)
     return run(a)

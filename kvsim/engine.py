@@ -13,12 +13,14 @@ Runs of decode-only steps with nothing else due are fast-forwarded as one event.
 from __future__ import annotations
 
 import math
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
 from kvsim.events import Event, Kind
+from kvsim.gpu import GpuProfile
 from kvsim.gpu_cache import GpuPrefixCache
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
@@ -42,16 +44,20 @@ class Engine:
         model: ModelShape,
         hw: Hardware,
         tier: Optional[Tier],
-        next_event_time: Callable[[], Optional[int]],
-        load_policy: str = "faster",
+        next_arrival: Callable[[], Optional[int]],
+        load_policy: str,
+        gpu: GpuProfile,
     ) -> None:
         if load_policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy must be one of {LOAD_POLICIES}, got {load_policy!r}")
-        self.model, self.hw, self.tier = model, hw, tier
+        self.model, self.hw, self.tier, self.profile = model, hw, tier, gpu
         self.bs = hw.block_size
         # vLLM's GPU BlockPool keeps block 0 as its null block: it holds no KV.
-        self.gpu = GpuPrefixCache(hw.kv_bytes(model) // (model.kv_bytes_per_token * self.bs) - 1)
-        self._next_event_time = next_event_time
+        self.gpu = GpuPrefixCache(hw.kv_bytes(model, gpu) // (model.kv_bytes_per_token * self.bs) - 1)
+        # A fast-forward stops before anything that could change the batch: the next
+        # arrival (the router may send it here) or this engine's own IO completions.
+        self._next_arrival = next_arrival
+        self._io_due: list[int] = []  # times of this engine's pending IO_DONE events
         self.load_policy = load_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -63,19 +69,13 @@ class Engine:
         self._waiting_tokens = 0  # prompt tokens of waiting requests not yet admitted
         self._seen: set[int] = set()  # units ever computed: a later miss is a recompute
         self.num_steps = 0
-        self._flops_rate = hw.peak_tflops * 1e12 * hw.mfu_prefill  # FLOP/s
-        self._mem_rate = hw.hbm_tbps * 1e12 * hw.decode_bw_eff  # B/s
+        self.busy_ns = 0  # steps' time, fast-forwarded ones included: how loaded the GPU was
 
-    # -- time model -------------------------------------------------------------
-
-    def step_ns(self, flops: float, kv_read_bytes: float) -> int:
-        compute = flops / self._flops_rate
-        memory = (self.model.weight_bytes + kv_read_bytes) / self._mem_rate
-        return round((self.hw.step_fixed_ms * 1e-3 + max(compute, memory)) * 1e9)
+    # -- time model (gpu.py) ----------------------------------------------------
 
     def prefill_ns(self, n_new: int, n_ctx: int) -> int:
-        """A lone prefill's compute time, for the load-or-recompute choice."""
-        return round(self.model.prefill_flops(n_new, n_ctx) / self._flops_rate * 1e9)
+        """A lone prefill's GPU time, for the load-or-recompute choice."""
+        return round(self.profile.prefill_s(self.model, self.hw.tp, n_new, n_ctx) * 1e9)
 
     def recompute_eta_ns(self, n_new: int, n_ctx: int) -> int:
         """When recomputing would be done if the GPU first drained the queued prefills.
@@ -85,8 +85,7 @@ class Engine:
         backlog is priced at the linear (weights) FLOPs, without attention.
         """
         backlog = self._waiting_tokens + sum(r.prompt - r.computed for r in self.running)
-        per_token = 2.0 * self.model.params_nonembed / self._flops_rate
-        return self.prefill_ns(n_new, n_ctx) + round(backlog * per_token * 1e9)
+        return self.prefill_ns(n_new, n_ctx) + round(backlog * self.profile.token_s(self.model, self.hw.tp) * 1e9)
 
     # -- event handlers ---------------------------------------------------------
 
@@ -102,13 +101,22 @@ class Engine:
 
     def on_io_done(self, ev: Event) -> list[Event]:
         # Only an idle engine cares: a busy one polls at its next step boundary.
-        return self._kick(ev.time_ns) if self.num_parked else []
+        return self._kick(ev.time_ns) if self.num_parked or self.waiting else []
 
     def _kick(self, now: int) -> list[Event]:
         if self._busy:
             return []
         self._busy = True
-        return [Event(now, Kind.STEP)]
+        return [Event(now, Kind.STEP, target=self)]
+
+    def _next_event(self, now: int) -> Optional[int]:
+        due = self._io_due
+        while due and due[0] <= now:  # handled already: IO completions come before steps at one instant
+            heapq.heappop(due)
+        arrival = self._next_arrival()
+        if not due:
+            return arrival
+        return due[0] if arrival is None else min(due[0], arrival)
 
     def on_step(self, ev: Event) -> list[Event]:
         now = ev.time_ns
@@ -126,12 +134,22 @@ class Engine:
             self._resume(req, now)
         self.waiting.extendleft(reversed(resumed))
         batch, dur = self._schedule(now, out)
+        for e in out:  # the IO completions this step started (loads, a second hop)
+            e.target = self
+            heapq.heappush(self._io_due, e.time_ns)
         if batch is None:
             self._busy = False
+            if self.waiting and self.tier is not None:
+                # Waiting requests blocked by GPU blocks that stores still hold: nothing else
+                # would wake the engine when the first store is done (stores send no event).
+                done = self.tier.first_store_done()
+                if done is not None and done > now:
+                    out.append(Event(done, Kind.IO_DONE, target=self))
             return out
         self.num_steps += batch.steps
+        self.busy_ns += dur
         self._last_step_ns = dur // batch.steps
-        out.append(Event(now + dur, Kind.STEP, payload=batch))
+        out.append(Event(now + dur, Kind.STEP, payload=batch, target=self))
         return out
 
     # -- batches ----------------------------------------------------------------
@@ -184,7 +202,7 @@ class Engine:
         # A load started in this step has its completion in ``out``, not yet in the
         # loop's queue: a fast-forward must stop for it too.
         due = [e.time_ns for e in out]
-        queued = self._next_event_time()
+        queued = self._next_event(now)
         if queued is not None:
             due.append(queued)
         return batch, self._batch_ns(now, batch, min(due, default=None))
@@ -199,17 +217,15 @@ class Engine:
             return dur
         # Decode only: take further steps while no event falls before a boundary,
         # since nothing could change the batch then; stop before the first finish.
-        # The loop is step_ns and decode_flops written out: it runs for most steps.
+        # Only the KV read grows from step to step (gpu.py's decode_parts): it runs for most steps.
         limit = min(r.output - r.generated for r in batch.decodes)
-        fixed = self.hw.step_fixed_ms * 1e-3
-        linear = 2.0 * m.params_nonembed * n_dec
-        attn = 4.0 * m.layers * m.q_heads * m.head_dim
-        flops_rate, mem_rate, weights = self._flops_rate, self._mem_rate, m.weight_bytes
+        const, per_kv_byte = self.profile.decode_parts(m, self.hw.tp, n_dec, n_dec)
+        const += self.profile.step_fixed_ms * 1e-3
         end = math.inf if t_next is None else t_next - now
         total, steps = dur, 1
         while steps < limit and total < end:
             ctx += n_dec
-            total += round((fixed + max((linear + attn * ctx) / flops_rate, (weights + ctx * kvb) / mem_rate)) * 1e9)
+            total += round((const + ctx * kvb * per_kv_byte) * 1e9)
             steps += 1
         batch.steps = steps
         return total
@@ -230,9 +246,11 @@ class Engine:
         if not batch.prefills and not batch.decodes:
             return 0
         m = self.model
-        flops = sum(m.prefill_flops(n, r.computed) for r, n in batch.prefills)
-        ctx = batch.decode_ctx
-        return self.step_ns(flops + m.decode_flops(len(batch.decodes), ctx), ctx * m.kv_bytes_per_token)
+        attn = sum(m.attention_flops(n, r.computed) for r, n in batch.prefills)
+        n_dec = len(batch.decodes)
+        tokens = sum(n for _, n in batch.prefills) + n_dec
+        return self.profile.step_ns(m, self.hw.tp, tokens, len(batch.prefills) + n_dec, attn,
+                                    batch.decode_ctx * m.kv_bytes_per_token)
 
     def _blocks_needed(self, r: Request) -> int:
         """GPU blocks a request ever holds: one KV slot per token it feeds, the prompt and

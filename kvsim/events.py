@@ -34,6 +34,7 @@ class Event:
     time_ns: int
     kind: Kind
     payload: Any = None
+    target: Any = None  # the engine (replica) a step or an IO completion belongs to
 
 
 Handler = Callable[[Event], Iterable[Event]]
@@ -45,6 +46,7 @@ class EventLoop:
         self._heap: list[tuple[int, int, int, Event]] = []
         self._seq = itertools.count()
         self._handlers: dict[Kind, Handler] = {}
+        self._arrivals: list[int] = []  # times of the queued arrivals: the next one is what every engine awaits
         self.num_events = 0
 
     def on(self, kind: Kind, handler: Handler) -> None:
@@ -55,10 +57,16 @@ class EventLoop:
             raise ValueError(f"event {event.kind.name} at {event.time_ns} ns is in the past "
                              f"(now {self.clock.now()} ns)")
         heapq.heappush(self._heap, (event.time_ns, event.kind, next(self._seq), event))
+        if event.kind == Kind.ARRIVAL:
+            heapq.heappush(self._arrivals, event.time_ns)
 
     def next_time(self) -> Optional[int]:
         """Time of the earliest pending event, or None when the heap is empty."""
         return self._heap[0][0] if self._heap else None
+
+    def next_arrival(self) -> Optional[int]:
+        """Time of the earliest pending arrival, or None."""
+        return self._arrivals[0] if self._arrivals else None
 
     def run(self, until_ns: Optional[int] = None) -> None:
         heap, handlers = self._heap, self._handlers
@@ -68,5 +76,7 @@ class EventLoop:
             ev = heapq.heappop(heap)[3]
             self.clock.advance_to(ev.time_ns)
             self.num_events += 1
+            if ev.kind == Kind.ARRIVAL:
+                heapq.heappop(self._arrivals)
             for new in handlers[ev.kind](ev):
                 self.push(new)

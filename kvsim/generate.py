@@ -62,3 +62,73 @@ class ReloadScenario:
                 out.append(TraceRequest(t, n_in, self.output_len, tuple(prefix + ctx + suffix), b, phase))
                 t += gap
         return out
+
+
+@dataclass(frozen=True)
+class SharedPrefixStages:
+    """inference-perf's ``shared_prefix`` data under its Poisson rate stages (the llm-d
+    tiered-prefix-cache benchmark): ``groups`` system prompts of ``system_len`` tokens,
+    ``prompts_per_group`` questions of ``question_len`` tokens behind each, ``output_len``
+    tokens out. The prompts are shuffled once; every stage sends ``rate * stage_s``
+    requests, the i-th with prompt i (modulo their number), each second a Poisson
+    number of them spread over it; a stage starts ``interval_s`` after the one before
+    has finished (kubernetes-sigs/inference-perf ``shared_prefix_datagen.py``,
+    ``load_generator.py``, ``load_timer.py``)."""
+
+    rates: tuple[float, ...] = (5, 10, 15, 20, 25, 30, 35, 40)
+    stage_s: int = 60
+    interval_s: int = 60
+    groups: int = 250
+    prompts_per_group: int = 5
+    system_len: int = 16_000
+    question_len: int = 256
+    output_len: int = 256
+    seed: int = 0
+    block_tokens: int = 128  # divides the system prompt and the question: no partial unit
+
+    def __post_init__(self) -> None:
+        if self.system_len % self.block_tokens or self.question_len % self.block_tokens:
+            raise ValueError(f"system_len and question_len must be multiples of block_tokens={self.block_tokens}")
+
+    @staticmethod
+    def phase(rate: float) -> str:
+        return f"{rate:g} QPS"
+
+    def stages(self) -> list[list[TraceRequest]]:
+        """Each stage's requests, arrivals from its start."""
+        b = self.block_tokens
+        sys_units, q_units = self.system_len // b, self.question_len // b
+        prompts = []
+        for g in range(self.groups):
+            prefix = list(range(g * sys_units, (g + 1) * sys_units))
+            for p in range(self.prompts_per_group):
+                first = self.groups * sys_units + (g * self.prompts_per_group + p) * q_units
+                prompts.append(tuple(prefix + list(range(first, first + q_units))))
+        rng = random.Random(self.seed)
+        rng.shuffle(prompts)
+        n_in = self.system_len + self.question_len
+        out = []
+        for rate in self.rates:
+            times: list[float] = []
+            second = 0
+            want = int(rate * self.stage_s)
+            while len(times) < want:  # Poisson requests each second, spread by normalised gaps
+                k = _poisson(rng, rate)
+                gaps = [rng.expovariate(1.0) for _ in range(k)]
+                t = float(second)
+                for g_ in gaps:
+                    t += g_ / sum(gaps)
+                    times.append(t)
+                second += 1
+            out.append([TraceRequest(round(t * 1e9), n_in, self.output_len, prompts[i % len(prompts)], b,
+                                     self.phase(rate)) for i, t in enumerate(times[:want])])
+        return out
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    """A Poisson draw (Knuth's product of uniforms; lam is a few tens at most)."""
+    limit, k, p = math.exp(-lam), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k

@@ -1,8 +1,8 @@
-"""The GPU, the vLLM engine settings and the host (simulation notes §4.4, §7).
+"""The replica, the vLLM engine settings and the host (simulation notes §7).
 
-IO rates (drive, page cache, PCIe, sealing) live in the calibrated IO profile
-(profile.py). [est] marks a guess; everything else is the notes' measured or
-documented figure.
+The GPU's step time and memory live in its profile (gpu.py), IO rates (drive, page
+cache, PCIe, sealing) in the calibrated IO profile (profile.py). [est] marks a
+guess; everything else is the notes' measured or documented figure.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvsim.gpu import DEFAULT_GPU, GpuProfile
 from kvsim.models import ModelShape
 
 GiB = 1 << 30
@@ -17,15 +18,12 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class Hardware:
-    # H200 (notes §7).
-    peak_tflops: float = 989.0
-    hbm_tbps: float = 4.8
-    hbm_bytes: float = 141e9
-    mfu_prefill: float = 0.5
-    decode_bw_eff: float = 0.7
-    step_fixed_ms: float = 4.0
-    # KV cache: None = what vLLM allots at gpu_memory_utilization 0.9, less the
-    # weights and an activation reserve [est 3.5 GB] (Llama-3-8B: 107 GB).
+    # One replica: ``tp`` GPUs of this kind (gpu.py) running one engine.
+    gpu: str = DEFAULT_GPU
+    tp: int = 1
+    # The replica's KV cache: None = what vLLM allots at gpu_memory_utilization 0.9 on
+    # each GPU, less its share of the weights and an activation reserve [est 3.5 GB]
+    # (Llama-3-8B on one H200: 107 GB).
     gpu_kv_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 3.5e9
@@ -40,11 +38,14 @@ class Hardware:
     host_free_bytes: int = 256 * GiB
     dirty_ratio: float = 0.2
 
-    def kv_bytes(self, model: ModelShape) -> int:
+    def kv_bytes(self, model: ModelShape, gpu: GpuProfile) -> int:
+        """The replica's KV cache in bytes (of the whole model's KV, all ``tp`` GPUs)."""
         if self.gpu_kv_bytes is not None:
             return self.gpu_kv_bytes
-        kv = self.hbm_bytes * self.gpu_memory_utilization - model.weight_bytes - self.activation_reserve_bytes
-        if kv <= 0:
-            raise ValueError(f"{model.name}'s weights ({model.weight_bytes / 1e9:.0f} GB) leave no KV cache on one "
-                             f"{self.hbm_bytes / 1e9:.0f} GB GPU; give the KV cache of one rank with --gpu-kv")
-        return int(kv)
+        per_gpu = gpu.hbm_bytes * self.gpu_memory_utilization - model.weight_bytes / self.tp - self.activation_reserve_bytes
+        if per_gpu <= 0:
+            share = f" over {self.tp} GPUs" if self.tp > 1 else ""
+            raise ValueError(f"{model.name}'s weights ({model.weight_bytes / 1e9:.0f} GB{share}) leave no KV cache on "
+                             f"one {gpu.hbm_bytes / 1e9:.0f} GB {gpu.name.upper()}; give the replica's KV cache with "
+                             f"--gpu-kv")
+        return int(per_gpu * self.tp)

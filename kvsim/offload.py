@@ -68,7 +68,13 @@ class OffloadTier:
                              + (" and vLLM's null block" if null_block else ""))
         self.capacity_units = (num_slots(spec.capacity_bytes, slot_bytes) - null_block) // unit_blocks
         self.pool = SlotPool(min(self.capacity_units, max_units or self.capacity_units))
-        self.xfer = TransferModel(profile, self.pipe, block_bytes, slot_bytes, host_device)
+        # Tensor parallelism: each of the replica's GPUs moves its share of every block over
+        # its own PCIe link, at once (vLLM's CPU tier; a disk tier's ranks would share the
+        # host's drives, which kvsim does not model).
+        if disk and hw.tp > 1:
+            raise ValueError(f"tier {spec.text}: a disk tier under tensor parallelism (tp={hw.tp}) is not modelled")
+        self.ranks = hw.tp
+        self.xfer = TransferModel(profile, self.pipe, block_bytes // hw.tp, slot_bytes, host_device)
         threads = self.xfer.threads if disk else 1
         self.stations = {False: IoStation(threads), True: IoStation(threads)}  # by is_store
         self._jobs: dict[bool, deque[Job]] = {False: deque(), True: deque()}
@@ -247,6 +253,11 @@ class OffloadTier:
         if self.pipe is None:
             return 0
         return self._writeback.bytes_written if self._writeback is not None else self.bytes_stored
+
+    def first_store_done(self) -> Optional[int]:
+        """When the first store still queued is done: the next poll that releases GPU blocks."""
+        jobs = self._jobs[True]
+        return jobs[0].done_ns if jobs else None
 
     def pending_stores(self, now: int) -> tuple[int, int, int]:
         """Store jobs not done at ``now``: (jobs, bytes, ns until the last is done)."""

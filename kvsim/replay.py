@@ -11,10 +11,12 @@ import numpy as np
 
 from kvsim.engine import Engine
 from kvsim.events import Event, EventLoop, Kind
+from kvsim.gpu import GpuProfile, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
 from kvsim.profile import DEFAULT_PROFILE, IoProfile, bytes_per_ns, load_profile
 from kvsim.request import Request
+from kvsim.router import Router, RouterSpec
 from kvsim.tiering import Tier, TwoLevelTier, make_tier
 from kvsim.tiers import TierSpec
 from kvsim.trace import TraceRequest
@@ -30,6 +32,9 @@ class ReplayConfig:
     hw: Hardware = Hardware()
     load_policy: str = "faster"
     profile: IoProfile = field(default_factory=lambda: load_profile(DEFAULT_PROFILE))
+    gpu: GpuProfile = field(default_factory=lambda: load_gpu(Hardware.gpu))
+    replicas: int = 1
+    router: RouterSpec = RouterSpec()
 
 
 def _ms(v_ns: float) -> float:
@@ -43,26 +48,53 @@ def _pcts(ns: np.ndarray) -> dict:
     return {"p50": _ms(p50), "p90": _ms(p90), "p99": _ms(p99)}
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a replay serves: stages of requests, arrivals relative to each stage's start.
+    A stage after the first starts ``gap_ns`` after every request of the one before has
+    finished, as inference-perf runs its rate stages; a trace is one stage."""
+
+    stages: tuple[Sequence[TraceRequest], ...]
+    gap_ns: int = 0
+
+    @classmethod
+    def of(cls, requests: "Sequence[TraceRequest] | Workload") -> "Workload":
+        return requests if isinstance(requests, Workload) else cls((requests,))
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.stages)
+
+    def all(self) -> list[TraceRequest]:
+        return [r for s in self.stages for r in s]
+
+
 def replay(
-    requests: Sequence[TraceRequest],
+    requests: "Sequence[TraceRequest] | Workload",
     spec: TierSpec,
     cfg: ReplayConfig,
     progress: Optional[Progress] = None,
 ) -> tuple[dict, list[float]]:
-    """Replay ``requests`` with offload tier ``spec``: the summary (JSON-ready) and TTFTs in ms."""
-    loop, engine = build(requests, spec, cfg, progress)
+    """Replay ``requests`` with offload tier ``spec`` (each replica its own): the summary
+    (JSON-ready) and TTFTs in ms."""
+    work = Workload.of(requests)
+    loop, engines = build(work.stages[0], spec, cfg, progress, work)
     # The replay allocates millions of small objects and frees few: the cyclic
     # collector found nothing to free but cost ~10% of the time.
     enabled = gc.isenabled()
     gc.disable()
     try:
         loop.run()
+        offset = len(work.stages[0])
+        for stage in work.stages[1:]:  # each once the one before has drained
+            _push(loop, stage, loop.clock.now() + work.gap_ns, offset)
+            offset += len(stage)
+            loop.run()
     finally:
         if enabled:
             gc.enable()
-    assert not engine.running and not engine.waiting and not engine.num_parked
-    summary = summarize(engine, spec, cfg.profile, loop.clock.now(), loop.num_events)
-    return summary, sorted((r.first_token_ns - r.arrival_ns) / 1e6 for r in engine.finished)
+    assert not any(e.running or e.waiting or e.num_parked for e in engines)
+    summary = summarize(engines, spec, cfg.profile, loop.clock.now(), loop.num_events)
+    return summary, sorted((r.first_token_ns - r.arrival_ns) / 1e6 for e in engines for r in e.finished)
 
 
 def build(
@@ -70,57 +102,109 @@ def build(
     spec: TierSpec,
     cfg: ReplayConfig,
     progress: Optional[Progress] = None,
-) -> tuple[EventLoop, Engine]:
-    """The loop with every arrival queued and the engine wired to it, not yet run."""
+    work: Optional[Workload] = None,
+) -> tuple[EventLoop, list[Engine]]:
+    """The loop with ``requests``' arrivals queued and the replicas' engines wired to it,
+    not yet run. ``work``: the whole workload, when ``requests`` is its first stage."""
     hw, model = cfg.hw, cfg.model
-    tokens = {r.block_tokens for r in requests}
+    every = work.all() if work is not None else requests
+    tokens = {r.block_tokens for r in every}
     if len(tokens) > 1:
         raise ValueError(f"the trace mixes trace blocks of {sorted(tokens)} tokens; kvsim needs one size")
-    tier = None
-    if spec.kind != "none":
-        unit_blocks = tokens.pop() // hw.block_size if tokens else 1
-        distinct = len({h for r in requests for h in r.hash_ids})
-        tier = make_tier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
+    unit_blocks = next(iter(tokens)) // hw.block_size if tokens else 1
+    distinct = len({h for r in every for h in r.hash_ids}) if spec.kind != "none" else 0
     loop = EventLoop()
-    engine = Engine(model, hw, tier, loop.next_time, cfg.load_policy)
-    loop.on(Kind.ARRIVAL, engine.on_arrival)
-    loop.on(Kind.IO_DONE, engine.on_io_done)
-    if progress is None:
-        loop.on(Kind.STEP, engine.on_step)
+    engines = []
+    for _ in range(cfg.replicas):
+        tier = None
+        if spec.kind != "none":
+            tier = make_tier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
+        engines.append(Engine(model, hw, tier, loop.next_arrival, cfg.load_policy, cfg.gpu))
+    router = _router(cfg, engines, unit_blocks)
+    finished = [0]
+
+    def on_arrival(ev: Event) -> list[Event]:
+        r: Request = ev.payload
+        return engines[router.pick(r.trace.hash_ids)].on_arrival(ev)
+
+    def on_step(ev: Event) -> list[Event]:
+        eng: Engine = ev.target
+        before = len(eng.finished)
+        out = eng.on_step(ev)
+        if progress is not None and len(eng.finished) != before:
+            finished[0] += len(eng.finished) - before
+            progress(finished[0])
+        return out
+
+    loop.on(Kind.ARRIVAL, on_arrival)
+    loop.on(Kind.IO_DONE, lambda ev: ev.target.on_io_done(ev))
+    loop.on(Kind.STEP, on_step)
+    _push(loop, requests, 0, 0)
+    return loop, engines
+
+
+def _router(cfg: ReplayConfig, engines: list[Engine], unit_blocks: int) -> Router:
+    """The router over the replicas: each believed to hold its GPU cache and its tier (or
+    what ``cfg.router`` says the tier scorer is told), in units."""
+    spec = cfg.router
+    tier = engines[0].tier
+    if tier is None:
+        spec = spec.without("tier-prefix")
+    if spec.tier_capacity_tokens is not None:
+        tier_units = spec.tier_capacity_tokens // (unit_blocks * cfg.hw.block_size)
     else:
-        def on_step(ev: Event) -> list[Event]:
-            out = engine.on_step(ev)
-            progress(len(engine.finished))
-            return out
-        loop.on(Kind.STEP, on_step)
-    for i, t in enumerate(requests):
-        r = Request(i, t.arrival_ns, t.input_length, max(1, t.output_length), t)
-        loop.push(Event(t.arrival_ns, Kind.ARRIVAL, payload=r))
-    return loop, engine
+        tier_units = tier.capacity_units if tier is not None else 0
+    return Router(spec, engines, engines[0].gpu.num_blocks // unit_blocks, tier_units)
+
+
+def _push(loop: EventLoop, stage: Sequence[TraceRequest], start_ns: int, first_id: int) -> None:
+    for i, t in enumerate(stage):
+        r = Request(first_id + i, start_ns + t.arrival_ns, t.input_length, max(1, t.output_length), t)
+        loop.push(Event(r.arrival_ns, Kind.ARRIVAL, payload=r))
 
 
 def _ttft(reqs: Sequence[Request]) -> np.ndarray:
     return np.array([r.first_token_ns - r.arrival_ns for r in reqs], dtype=np.int64)
 
 
-def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, num_events: int) -> dict:
-    tier: Optional[Tier] = engine.tier
-    bs = engine.bs
-    done = sorted(engine.finished, key=lambda r: r.rid)
+def _phase(reqs: Sequence[Request]) -> dict:
+    """A phase's (a stage's) TTFT and end-to-end latency, and its throughput as
+    inference-perf counts it: prompt and output tokens over the time from its first
+    arrival to its last finish."""
+    ttft = _ttft(reqs)
+    e2e = np.array([r.finish_ns - r.arrival_ns for r in reqs], dtype=np.int64)
+    first, last = min(r.arrival_ns for r in reqs), max(r.finish_ns for r in reqs)
+    span = (last - first) / 1e9
+    out_tokens = sum(r.output for r in reqs)
+    return {"requests": len(reqs), "first_arrival_s": round(first / 1e9, 3), "last_finish_s": round(last / 1e9, 3), "tokens_per_request": round(sum(r.prompt + r.output for r in reqs) / len(reqs), 1),
+            "ttft_ms": {"mean": _ms(ttft.mean()), **_pcts(ttft)},
+            "e2e_ms": {"mean": _ms(e2e.mean()), **_pcts(e2e)},
+            "tokens_per_s": round((sum(r.prompt for r in reqs) + out_tokens) / span, 1) if span else None,
+            "output_tokens_per_s": round(out_tokens / span, 1) if span else None}
+
+
+def summarize(engines: Sequence[Engine], spec: TierSpec, profile: IoProfile, end_ns: int, num_events: int) -> dict:
+    """The replay's metrics over all replicas: request figures over every request, IO
+    figures the mean replica's (each has its own tier, drives and links)."""
+    tiers: list[Tier] = [e.tier for e in engines if e.tier is not None]
+    bs = engines[0].bs
+    done = sorted((r for e in engines for r in e.finished), key=lambda r: r.rid)
     prompt = sum(r.prompt for r in done)
     ttft = _ttft(done)
     queue = np.array([r.admitted_ns - r.arrival_ns for r in done], dtype=np.int64)
     queue_share = float(queue.sum() / ttft.sum()) if len(done) and ttft.sum() else 0.0
     phases = {}
     for name in dict.fromkeys(r.trace.phase for r in done if r.trace.phase is not None):
-        reqs = [r for r in done if r.trace.phase == name]
-        phases[name] = {"requests": len(reqs), "ttft_ms": _pcts(_ttft(reqs))}
+        phases[name] = _phase([r for r in done if r.trace.phase == name])
     loaded = [r for r in done if r.load_blocks]
     late = np.array([r.resumed_ns - r.load_eta_ns for r in loaded], dtype=np.int64)
+    first = min((r.arrival_ns for r in done), default=0)
+    last = max((r.arrival_ns for r in done), default=0)
     out = {
         "tier": spec.text,
+        "replicas": len(engines),
         "requests": len(done),
-        "rejected": len(engine.rejected),
+        "rejected": sum(len(e.rejected) for e in engines),
         "prompt_tokens": prompt,
         "gpu_hit_rate": round(sum(r.gpu_hit_blocks for r in done) * bs / prompt, 4) if prompt else 0.0,
         "offload_hit_rate": round(sum(r.load_blocks for r in done) * bs / prompt, 4) if prompt else 0.0,
@@ -132,47 +216,62 @@ def summarize(engine: Engine, spec: TierSpec, profile: IoProfile, end_ns: int, n
         # How much later than the engine expected loads were seen complete (the
         # load-or-recompute choice rests on that expectation).
         "load_seen_late_ms": {"mean": _ms(late.mean()), "max": _ms(late.max())} if len(late) else None,
-        "bytes_stored": tier.bytes_stored if tier else 0,
-        "bytes_loaded": tier.bytes_loaded if tier else 0,
+        "bytes_stored": sum(t.bytes_stored for t in tiers),
+        "bytes_loaded": sum(t.bytes_loaded for t in tiers),
         "disk_read_util": 0.0, "disk_write_util": 0.0,
         "pcie_h2d_util": 0.0, "pcie_d2h_util": 0.0,
         "io_threads_busy": None,
         "stores_pending_at_end": None,
-        "gpu_evictions": engine.gpu.num_evictions,
-        "tier_evictions": tier.num_evictions if tier else 0,
+        "gpu_evictions": sum(e.gpu.num_evictions for e in engines),
+        "tier_evictions": sum(t.num_evictions for t in tiers),
+        # Offered against served: the arrivals' span, and the GPU time the busiest replica
+        # spent on its steps (over the span: above 1, the work outlasts the arrivals).
+        "first_arrival_s": round(first / 1e9, 3),
+        "arrival_span_s": round((last - first) / 1e9, 3),
+        # After the last arrival: how long the backlog took to drain, against how long one
+        # request takes once admitted (P90).
+        "drain_s": round((max((r.finish_ns for r in done), default=0) - last) / 1e9, 3),
+        "service_p90_s": round(float(np.percentile([r.finish_ns - r.admitted_ns for r in done], 90)) / 1e9, 3)
+        if done else 0.0,
+        "gpu_busy_s": round(max(e.busy_ns for e in engines) / 1e9, 3),
         "makespan_s": round(max(end_ns, 1) / 1e9, 3),
-        "steps": engine.num_steps,
+        "steps": sum(e.num_steps for e in engines),
         "events": num_events,
         "warnings": [],
     }
     if queue_share > OVERLOAD_QUEUE_SHARE:
+        q, t = out["queue_ms"]["p90"], out["ttft_ms"]["p90"]
         out["warnings"].append(
-            f"{spec.text}: queueing for the GPU is {queue_share:.0%} of TTFT (P50 {out['queue_ms']['p50']:,.0f} ms): "
-            f"the simulated GPU is overloaded or the arrivals come in bursts, so the GPU sets TTFT, not the "
-            f"tier; slow the arrivals (a trace: --time-scale, --sample; a scenario: --fill-rate, --reload-rate)")
-    if tier is not None:
-        _add_io(out, tier, profile, end_ns)
-    if isinstance(tier, TwoLevelTier):
-        out["bytes_promoted"] = tier.bytes_promoted  # disk -> CPU: the reloads the CPU level missed
+            f"{spec.text}: queueing for the GPU is {queue_share:.0%} of TTFT (P90 {q:,.0f} ms of the TTFT P90 "
+            f"{t:,.0f} ms): the GPU, overloaded or hit by bursts of arrivals, sets TTFT, not the tier")
+    if tiers:
+        _add_io(out, tiers, profile, end_ns)
+    if isinstance(tiers[0] if tiers else None, TwoLevelTier):
+        out["bytes_promoted"] = sum(t.bytes_promoted for t in tiers)  # disk -> CPU: the reloads the CPU level missed
     return out
 
 
-def _add_io(out: dict, tier: Tier, profile: IoProfile, end_ns: int) -> None:
-    """Utilisation over the run and the drain of the stores still queued at its end."""
-    jobs, nbytes, drain_ns = tier.pending_stores(end_ns)
-    out["stores_pending_at_end"] = {"jobs": jobs, "bytes": nbytes, "drain_s": round(drain_ns / 1e9, 3)}
-    span = max(end_ns, 1) + drain_ns
-    x = tier.xfer
-    out["pcie_h2d_util"] = round(tier.bytes_loaded / bytes_per_ns(profile.pcie_h2d_gib_s) / span, 4)
-    out["pcie_d2h_util"] = round(tier.bytes_stored / bytes_per_ns(profile.pcie_d2h_gib_s) / span, 4)
-    if tier.pipe is None:
+def _add_io(out: dict, tiers: Sequence[Tier], profile: IoProfile, end_ns: int) -> None:
+    """Utilisation over the run and the drain of the stores still queued at its end, of the
+    mean replica (its tier, drives, IO threads and PCIe links: one per GPU)."""
+    pending = [t.pending_stores(end_ns) for t in tiers]
+    drain_ns = max(p[2] for p in pending)
+    out["stores_pending_at_end"] = {"jobs": sum(p[0] for p in pending), "bytes": sum(p[1] for p in pending),
+                                    "drain_s": round(drain_ns / 1e9, 3)}
+    span = (max(end_ns, 1) + drain_ns) * len(tiers)  # the replicas' spans together
+    x = tiers[0].xfer
+    links = tiers[0].ranks
+    out["pcie_h2d_util"] = round(out["bytes_loaded"] / links / bytes_per_ns(profile.pcie_h2d_gib_s) / span, 4)
+    out["pcie_d2h_util"] = round(out["bytes_stored"] / links / bytes_per_ns(profile.pcie_d2h_gib_s) / span, 4)
+    if tiers[0].pipe is None:
         return
-    for key, nbytes, d in (("disk_read_util", tier.disk_bytes_read, profile.disk_read),
-                           ("disk_write_util", tier.disk_bytes_written(), profile.disk_write)):
+    out["disk_bytes_read"] = sum(t.disk_bytes_read for t in tiers)  # loads the page cache did not serve
+    for key, nbytes, d in (("disk_read_util", sum(t.disk_bytes_read for t in tiers), profile.disk_read),
+                           ("disk_write_util", sum(t.disk_bytes_written() for t in tiers), profile.disk_write)):
         ios = nbytes / x.block_bytes  # one IO per slot
         out[key] = round(ios * d.busy_ns(x.slot_bytes) / x.drives / span, 4)
     busy = {}
-    for name, station in (("load", tier.stations[False]), ("store", tier.stations[True])):
-        per = [b / span for b in station.busy_ns]
+    for name, is_store in (("load", False), ("store", True)):
+        per = [b / (span / len(tiers)) for t in tiers for b in t.stations[is_store].busy_ns]
         busy[name] = {"mean": round(sum(per) / len(per), 4), "max": round(max(per), 4)}
     out["io_threads_busy"] = busy

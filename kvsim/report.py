@@ -1,12 +1,19 @@
-"""Output: one side-by-side table (rich), or a plot (matplotlib)."""
+"""Output: side-by-side tables (rich) that fit the terminal, or a plot (matplotlib)."""
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+
+# Output that is not a terminal (a pipe, a file) gets this width unless COLUMNS says
+# otherwise: the same text from run to run.
+PIPE_WIDTH = 100
 
 
 def _bytes(n: int) -> str:
@@ -69,20 +76,171 @@ def _ttft_rows(summaries: Sequence[dict]) -> list[Row]:
     return rows
 
 
-def print_table(title: str, summaries: Sequence[dict], file: IO[str]) -> None:
-    table = Table()
-    table.add_column("")
+def output_width(file: IO[str]) -> int:
+    """Columns to fill: COLUMNS when set, else the terminal's, else ``PIPE_WIDTH``."""
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) >= 20:
+        return int(cols)
+    try:
+        if file.isatty():
+            return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        pass
+    return PIPE_WIDTH
+
+
+def print_grid(title: str, header: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]], file: IO[str],
+               lines_before: Sequence[str] = (), lines_after: Sequence[str] = ()) -> None:
+    """``rows`` under ``header`` as tables no wider than the output: when the columns do not
+    fit side by side they continue in a second table below (row labels repeated), so no
+    line is ever wrapped by the terminal. Lines before and after are word-wrapped."""
+    width = output_width(file)
+    console = Console(file=file, width=width)
+    for line in (title, *lines_before) if title else lines_before:
+        console.print(line, highlight=False)
+
+    def need(i: int) -> int:  # a column's cells, its padding and its border
+        return max(cell_len(header[i]), *(cell_len(r[1][i]) for r in rows)) + 3
+
+    label = max(cell_len(r[0]) for r in rows) + 4  # the label column and the table's last border
+    groups: list[list[int]] = [[]]
+    used = label
+    for i in range(len(header)):
+        if groups[-1] and used + need(i) > width:
+            groups.append([])
+            used = label
+        groups[-1].append(i)
+        used += need(i)
+    for cols in groups:
+        table = Table()
+        table.add_column("")
+        for i in cols:
+            table.add_column(header[i], justify="right")
+        for name, cells in rows:
+            table.add_row(name, *(cells[i] for i in cols))
+        console.print(table)
+    for line in lines_after:
+        console.print(line, highlight=False)
+
+
+def print_table(title: str, summaries: Sequence[dict], file: IO[str], lines_before: Sequence[str] = (),
+                phases: bool = True) -> None:
+    """The tiers side by side, then each tier's warnings. ``phases``: the TTFT rows (else
+    a table before this one gave them, and the title too)."""
+    ttft = _ttft_rows(summaries) if phases else []
+    rows = [(name, [fmt(s) for s in summaries]) for name, fmt in (*HEAD, *ttft, *TAIL)]
+    print_grid(title if phases else "", [s["tier"] for s in summaries], rows, file, lines_before,
+               [f"warning: {w}" for s in summaries for w in s["warnings"]])
+
+
+# A trace's replay is overloaded when its backlog at the last arrival takes longer to
+# drain than a fiftieth of the trace and a few requests' own service: the queue grew all
+# along (a burst drains in about one request's time).
+OVERLOAD_DRAIN_SHARE, OVERLOAD_SERVICES = 0.02, 3
+# What the suggested --time-scale or --replicas aims at: the tier's served rate with this
+# much headroom for bursts.
+OVERLOAD_HEADROOM = 1.25
+
+
+def overloaded(s: dict) -> Optional[float]:
+    """How many times more work the trace offered than the tier served in time, when its
+    backlog outlasted the arrivals (else None): the span plus the drain over the span, or,
+    for arrivals all at once, the drain over what a few requests' service allows."""
+    span, drain, service = s["arrival_span_s"], s["drain_s"], OVERLOAD_SERVICES * s["service_p90_s"]
+    if drain <= OVERLOAD_DRAIN_SHARE * span + service or not drain:
+        return None
+    return (span + drain) / span if span else drain / max(service, 1e-3)
+
+
+def overload_line(summaries: Sequence[dict], time_scale: float, replicas: int, what: str) -> Optional[str]:
+    """One line when the trace offered more than the deployment served: the numbers, and a
+    --time-scale and a --replicas that would serve it; None when every tier kept up."""
+    over = {s["tier"]: overloaded(s) for s in summaries}
+    worst = max((f for f in over.values() if f), default=None)
+    if worst is None:
+        return None
+    s = summaries[0]
+    span = s["arrival_span_s"]
+    served = ", ".join(f"{t} {x['prompt_tokens'] / (x['arrival_span_s'] + x['drain_s']):,.0f}"
+                       for t, x in zip(over, summaries) if over[t])
+    need = worst * OVERLOAD_HEADROOM
+    more = f"--replicas {math.ceil(replicas * need)} would serve it"
+    if not span:  # arrivals all at once: stretching them changes nothing
+        return (f"overloaded: the trace's {s['requests']:,} requests ({s['prompt_tokens']:,} prompt tokens) arrive at "
+                f"once; {what} served {served} tokens/s, so its TTFTs are mostly queueing. {more}")
+    scale = math.ceil(time_scale * need * 10) / 10
+    return (f"overloaded: the trace offers {s['prompt_tokens'] / span:,.0f} prompt tokens/s over {span:,.0f} s "
+            f"({s['requests']:,} requests); {what} served {served} tokens/s, so its TTFTs are mostly queueing. "
+            f"--time-scale {scale:g} or {more}")
+
+
+# A stage collapses when it serves less than this share of the tokens it is offered:
+# its queue then grows for the whole stage.
+COLLAPSE_SERVED = 0.85
+_METRICS = (("mean TTFT", 0), ("P90 TTFT", 1), ("mean E2E", 2), ("P90 E2E", 3), ("tokens/s", 4))
+
+
+def _kvsim_row(phase: dict) -> tuple[float, ...]:
+    t, e = phase["ttft_ms"], phase["e2e_ms"]
+    return t["mean"] / 1e3, t["p90"] / 1e3, e["mean"] / 1e3, e["p90"] / 1e3, phase["tokens_per_s"]
+
+
+def _offered(phase_name: str, phase: dict) -> Optional[float]:
+    """Tokens per second a rate stage offers (its rate times a request's tokens)."""
+    try:
+        rate = float(phase_name.split()[0])
+    except ValueError:
+        return None
+    return rate * phase["tokens_per_request"]
+
+
+def comparison(summaries: Sequence[dict], published: Any) -> dict:
+    """kvsim's figures beside a published table: per phase and tier, each metric's kvsim
+    value, the published one and their ratio; and where each run collapses."""
+    rows = []
     for s in summaries:
-        table.add_column(s["tier"], justify="right")
-    for name, fmt in (*HEAD, *_ttft_rows(summaries), *TAIL):
-        table.add_row(name, *(fmt(s) for s in summaries))
-    # A fixed width keeps piped output identical from run to run.
-    console = Console(file=file, width=max(100, 30 + 22 * len(summaries)))
-    console.print(title, highlight=False, soft_wrap=True)
-    console.print(table)
+        for name, ph in s["phases"].items():
+            pub = published.row(name, s["tier"])
+            if pub is None:
+                continue
+            ours = _kvsim_row(ph)
+            rows.append({"phase": name, "tier": s["tier"], "configuration": published.configurations[
+                "none" if s["tier"] == "none" else "offload"],
+                **{m: {"kvsim": round(ours[i], 3), "published": pub[i], "ratio": round(ours[i] / pub[i], 3)}
+                   for m, i in _METRICS}})
+    collapse = {}
     for s in summaries:
-        for w in s["warnings"]:
-            console.print(f"warning: {w}", highlight=False, soft_wrap=True)
+        offered = {n: _offered(n, ph) for n, ph in s["phases"].items()}
+        ours = next((n for n, ph in s["phases"].items() if offered[n] and ph["tokens_per_s"] < COLLAPSE_SERVED
+                     * offered[n]), None)
+        theirs = next((n for n, ph in s["phases"].items() if offered[n] and (p := published.row(n, s["tier"]))
+                       and p[4] < COLLAPSE_SERVED * offered[n]), None)
+        collapse[s["tier"]] = {"kvsim": ours, "published": theirs}
+    return {"source": published.source, "rows": rows, "collapses_at": collapse,
+            "collapse_rule": f"the first stage serving less than {COLLAPSE_SERVED:.0%} of the tokens it offers"}
+
+
+def _s(v: float) -> str:
+    return f"{v:.2f} s" if v < 100 else f"{v:.0f} s"
+
+
+def print_published(title: str, summaries: Sequence[dict], published: Any, file: IO[str]) -> None:
+    """Per stage and tier: mean and P90 TTFT and throughput, kvsim's beside the published."""
+    doc = comparison(summaries, published)
+    header = ["mean TTFT kvsim / published", "P90 TTFT", "tokens/s (in + out)"]
+    rows = []
+    for r in doc["rows"]:
+        cells = []
+        for m, fmt in (("mean TTFT", _s), ("P90 TTFT", _s), ("tokens/s", lambda v: f"{v / 1e3:,.0f}K")):
+            c = r[m]
+            cells.append(f"{fmt(c['kvsim'])} / {fmt(c['published'])}  x{c['ratio']:.2f}")
+        rows.append((f"{r['phase']} {r['tier']}", cells))
+    col = doc["collapses_at"]
+    after = [f"collapses at ({doc['collapse_rule']}): "
+             + "; ".join(f"{t}: kvsim {c['kvsim'] or 'none'}, published {c['published'] or 'none'}"
+                         for t, c in col.items()),
+             f"published: {doc['source']}"]
+    print_grid(title, header, rows, file, lines_after=after)
 
 
 # Overlapping curves stay visible: each tier its own dash pattern and width.

@@ -83,6 +83,15 @@ class TwoLevelTier:
         return self.disk.num_evictions
 
     @property
+    def capacity_units(self) -> int:
+        """What the tier holds: its disk level, which every CPU chunk is written through to."""
+        return self.disk.capacity_units
+
+    @property
+    def ranks(self) -> int:
+        return self.cpu.ranks
+
+    @property
     def pipe(self) -> Optional[Pipeline]:
         return self.disk.pipe
 
@@ -100,6 +109,10 @@ class TwoLevelTier:
 
     def disk_bytes_written(self) -> int:
         return self.disk.disk_bytes_written()
+
+    def first_store_done(self) -> Optional[int]:
+        """When the first GPU -> CPU store still queued is done (it holds GPU blocks)."""
+        return self.cpu.first_store_done()
 
     def pending_stores(self, now: int) -> tuple[int, int, int]:
         """Stores into either level not done at ``now``: (jobs, bytes, ns until the last is done)."""

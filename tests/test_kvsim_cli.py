@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def test_json_is_byte_identical_across_runs(capsys):
 def test_the_default_replay_shows_both_disk_tiers_and_each_phase(capsys):
     assert main(["trace", "replay"]) == 0
     captured = capsys.readouterr()
-    out = captured.out
+    out = " ".join(captured.out.split(" \n"))  # the title is word-wrapped to the width
     assert "scenario dram-limited-nvme" in out and "qwen3-32b" in out and "hardware h200-ramdrive" in out
     for text in ("vllm-disk:200GB", "disk:100GB", "cpu:8GiB+disk:200GB", "fill TTFT P50", "reload TTFT P99",
                  "IO threads busy", "stores queued at the end"):
@@ -112,8 +113,8 @@ def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
     (["--tier", "disk:1TB", "--host-free", "64GiB"],
      "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
     ([MINI, "--scenario", "vllm-pr-49644"], "--scenario: reload-scenario flags; they do nothing with a TRACE"),
-    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB GPU; "
-                                "give the KV cache of one rank with --gpu-kv"),
+    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB H200; "
+                                "give the replica's KV cache with --gpu-kv"),
     (["--hardware", "nope.json"], "--hardware 'nope.json': no such file, and not one of h200-disk, h200-array"),
 ])
 def test_flags_that_would_do_nothing_are_refused(capsys, argv, message):
@@ -180,3 +181,44 @@ def test_real_mooncake_trace_sampled(capsys):
     assert none["requests"] > 300
     assert disk["offload_hit_rate"] > 0
     assert disk["recomputed_tokens"] < none["recomputed_tokens"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["trace", "replay", MINI, "--tirr", "disk:1TB"], "unrecognized arguments: --tirr (did you mean --tier?)"),
+    (["trace", "replay", "--scenaro", "vllm-pr-49644"], "unrecognized arguments: --scenaro (did you mean --scenario?)"),
+    (["trace", "replay", "--tier=disk:1TB", "--contxts", "4"], "unrecognized arguments: --contxts (did you mean "
+                                                               "--contexts?)"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["trace", "--bogus", "replay"], "unrecognized arguments: --bogus"),
+])
+def test_a_mistyped_option_is_named_not_blamed_on_the_trace(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvsim: error: {message}\n"
+
+
+@pytest.mark.parametrize("columns", [60, 100, 300])
+def test_the_table_fits_the_width_and_continues_below(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["trace", "replay", "--contexts", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    tables = sum(line.startswith("┏") for line in lines)
+    # Seven tiers: one table side by side when wide, several below each other when not,
+    # each with every row.
+    assert (tables == 1) == (columns == 300)
+    assert sum("reload TTFT P90" in line for line in lines) == tables
+
+
+def test_the_readmes_main_job_warns_only_as_the_readme_explains(capsys):
+    # The README says the default replay ends with two warnings, for none and cpu:8GiB
+    # (queueing: the GPU sets their TTFT); any other warning would go unexplained.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "It ends with two warnings, for `none` and `cpu:8GiB`" in readme
+    assert main(["trace", "replay"]) == 0
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    warned = re.findall(r"warning: (\S+): ", text)
+    assert warned == ["none", "cpu:8GiB"]
+    assert all("queueing for the GPU is 57% of TTFT" in w for w in text.split("warning: ")[1:])
+    assert "kvsim: overloaded" not in text

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsim.gpu import load_gpu
 from kvsim.clock import Clock
 from kvsim.events import Event, EventLoop, Kind
 from kvsim.generate import ReloadScenario
@@ -260,7 +261,7 @@ def test_memory_follows_the_trace_not_the_capacity():
     peaks = {}
     for text in ("disk:1TB", "disk:1000TB"):
         tracemalloc.start()
-        _, engine = build(reqs, parse_tier(text), cfg)
+        _, (engine,) = build(reqs, parse_tier(text), cfg)
         peaks[text] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert engine.tier.pool.num_slots == distinct < engine.tier.capacity_units
@@ -283,7 +284,7 @@ def test_parked_requests_resume_at_the_step_that_sees_the_load():
     # Goal: a request whose prefix is in the offload tier is parked during its load,
     # resumes at a step boundary no earlier than the load, then gets its first token.
     cfg = ReplayConfig(MODEL, SMALL_GPU, load_policy="always")
-    loop, engine = build(_tiny_reload(), parse_tier("cpu:64GiB"), cfg)
+    loop, (engine,) = build(_tiny_reload(), parse_tier("cpu:64GiB"), cfg)
     loop.run()
     loaded = [r for r in engine.finished if r.load_blocks]
     assert len(loaded) >= 10  # the reload phase comes back from the CPU tier
@@ -323,7 +324,7 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     model = get_model(sc.model)
     units = {h for r in reqs[: sc.workload.contexts] for h in r.hash_ids[:-1]}
     working_set = len(units) * 512 * model.kv_bytes_per_token
-    assert 8 << 30 < Hardware().kv_bytes(model) < 100e9 < working_set < 200e9
+    assert 8 << 30 < Hardware().kv_bytes(model, load_gpu("h200")) < 100e9 < working_set < 200e9
     hw = dataclasses.replace(Hardware(), host_free_bytes=sc.host_free_bytes)
     cfg = ReplayConfig(model, hw, sc.load_policy, load_profile(sc.hardware))
     s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in ("none", "cpu:8GiB", "disk:100GB", "disk:200GB")}
@@ -331,7 +332,7 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     assert len({v["fill"] for v in p50.values()}) == 1
     assert s["none"]["queue_share_of_ttft"] > 0.5  # recomputing saturates the GPU
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
-    assert 5 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"] / 2
+    assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"] / 2
     assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"]
 
 
@@ -355,13 +356,14 @@ def test_equal_tiers_hit_alike_so_the_page_cache_is_never_faster_than_dram():
 def test_the_reload_workload_on_the_vm_disk_recomputes_what_loads_slower():
     # Goal: docs/kvsim.md's H200 virtual-disk example (48 contexts, 80 GB of KV): larger
     # than the GPU cache and an 8 GB DRAM tier, smaller than a 100 GB disk; the reload
-    # order is shuffled; the slow disk makes the "faster" policy recompute some.
-    sc = ReloadScenario()
+    # order is shuffled, at 2/s, where recomputing them all overloads the GPU; the slow
+    # disk makes the "faster" policy recompute some.
+    sc = ReloadScenario(reload_rate=2.0)
     reqs = sc.requests()
     model = get_model("qwen3-32b")
     units = {h for r in reqs[: sc.contexts] for h in r.hash_ids[:-1]}  # prefix and contexts
     working_set = len(units) * 512 * model.kv_bytes_per_token
-    assert 8 << 30 < Hardware().kv_bytes(model) < working_set < 100e9
+    assert 8 << 30 < Hardware().kv_bytes(model, load_gpu("h200")) < working_set < 100e9
     fill, reload = reqs[: sc.contexts], reqs[sc.contexts:]
     assert [r.hash_ids[24] for r in fill] != [r.hash_ids[24] for r in reload]
     assert sorted(r.hash_ids[24] for r in fill) == sorted(r.hash_ids[24] for r in reload)

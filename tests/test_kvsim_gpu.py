@@ -1,0 +1,149 @@
+"""The GPU step-time profile (kvsim/gpu.py) against the measurements checked in with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from kvsim import gpucal
+from kvsim.cli import main
+from kvsim.engine import Batch, Engine
+from kvsim.gpu import DERIVED, GpuProfile, load_gpu
+from kvsim.hardware import Hardware
+from kvsim.models import ModelShape, get_model
+from kvsim.request import Request
+from kvsim.trace import TraceRequest
+
+PROFILE = Path(__file__).parents[1] / "kvsim" / "profiles" / "gpu_h200.json"
+NOTES = Path(__file__).parent / "kvsim_fixtures" / "gpu_h200_notes.json"
+TOLERANCE = 0.10
+
+
+def gpucal_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def test_the_profiles_step_times_are_within_10_percent_of_its_measurements():
+    gpu = load_gpu("h200")
+    recs = gpucal.fitted(gpu.measurements)
+    assert len(recs) >= 12 and {r["kind"] for r in recs} >= {"prefill"}
+    errors = {(r["model"], r["tp"], str(r["prefills"]), str(r["decode"])): gpucal.predicted_ms(gpu, r) / r["step_ms"] - 1
+              for r in recs}
+    assert max(abs(e) for e in errors.values()) <= TOLERANCE, errors
+    # Left out of the fit only with a reason.
+    assert all(isinstance(r["excluded"], str) and r["excluded"] for r in gpu.measurements if "excluded" in r)
+
+
+def test_the_checked_in_profile_is_what_its_command_makes(tmp_path):
+    # The profile records the commands that made it; fitting its own measurements again
+    # gives its fit (whether they were timed here or came from the notes' table).
+    gpu = load_gpu("h200")
+    assert gpu.commands and gpu.commands[-1].startswith("python -m kvsim calibrate gpu ")
+    assert gpu.commands[-1].endswith("-o kvsim/profiles/gpu_h200.json")
+    out = tmp_path / "gpu_h200.json"
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "-o", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["fit"] == pytest.approx(dataclasses.asdict(gpu.fit), rel=1e-6)
+    assert again["measurements"] == gpu.measurements
+
+
+def test_the_notes_measurements_make_the_checked_in_profile(tmp_path):
+    out = tmp_path / "gpu_h200.json"
+    assert main(["calibrate", "gpu", "--measurements", str(NOTES), "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    if doc["measurements"] != load_gpu("h200").measurements:
+        pytest.skip("the checked-in profile was timed on the H200, not fitted to the notes' table")
+    assert doc["fit"] == pytest.approx(dataclasses.asdict(load_gpu("h200").fit), rel=1e-6)
+
+
+def _engine(gpu: GpuProfile, model: ModelShape, tp: int = 1) -> Engine:
+    hw = dataclasses.replace(Hardware(), tp=tp, gpu_kv_bytes=64 << 30)
+    return Engine(model, hw, None, lambda: None, "always", gpu)
+
+
+def _request(rid: int, prompt: int, output: int, computed: int) -> Request:
+    r = Request(rid, 0, prompt, output, TraceRequest(0, prompt, output, tuple(range(-(-prompt // 512))), 512))
+    r.computed = computed
+    return r
+
+
+def test_the_engine_times_its_steps_with_the_profile():
+    gpu, m = load_gpu("h200"), get_model("qwen3-32b")
+    eng = _engine(gpu, m)
+    batch = Batch(prefills=[(_request(0, 9000, 8, 4096), 2048)], decodes=[_request(1, 600, 50, 600)] * 3,
+                  decode_ctx=3 * 700)
+    want = gpu.step_ns(m, 1, 2048 + 3, 4, m.attention_flops(2048, 4096), 2100 * m.kv_bytes_per_token)
+    assert eng._single_step_ns(batch) == want
+    # A run of decode steps fast-forwarded is the sum of its single steps.
+    decodes = [_request(i, 600, 40, 600) for i in range(3)]
+    for r in decodes:
+        r.generated = 1
+    run = Batch(decodes=decodes, decode_ctx=3 * 601)
+    total = eng._batch_ns(0, run, None)
+    steps = [gpu.step_ns(m, 1, 3, 3, 0.0, (3 * 601 + 3 * k) * m.kv_bytes_per_token) for k in range(run.steps)]
+    assert run.steps == 39 and total == sum(steps)
+
+
+def test_tensor_parallelism_splits_the_work_and_adds_the_all_reduce():
+    gpu, m = load_gpu("h200"), get_model("qwen3-32b")
+    one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0)
+    two = gpu.gpu_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0)
+    allreduce = 2 * m.layers * (gpu.allreduce_us * 1e-6 + 8192 * m.hidden * 2 / (gpu.allreduce_gb_s * 1e9))
+    assert two == pytest.approx(gpu.measured_part_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0) + allreduce)
+    assert one / 2 < two < one
+
+
+def test_the_h100_is_the_h200_by_the_datasheets_ratios():
+    h200, h100 = load_gpu("h200"), load_gpu("h100")
+    ratio = DERIVED["h100"]["bandwidth_ratio"]
+    assert ratio == pytest.approx(3.35 / 4.8) and h100.hbm_bytes == 80 * (1 << 30)
+    assert h100.fit.weight_gb_s == pytest.approx(h200.fit.weight_gb_s * ratio)
+    assert h100.fit.kv_gb_s == pytest.approx(h200.fit.kv_gb_s * ratio)
+    assert (h100.fit.gemm_tflops, h100.fit.attn_tflops) == (h200.fit.gemm_tflops, h200.fit.attn_tflops)
+    m = get_model("qwen3-32b")
+    # Decode, bound by memory, is slower on the H100; a long prefill, bound by FLOPs, nearly not.
+    assert h100.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token) > \
+        1.3 * h200.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token)
+    assert h100.prefill_s(m, 2, 8192, 0) < 1.05 * h200.prefill_s(m, 2, 8192, 0)
+
+
+def test_a_tiny_stack_times_every_path_on_the_cpu():
+    torch = pytest.importorskip("torch")
+    tiny = ModelShape("tiny", 2, 4, 16, 0.0, 0.0, 2 * 2 * 2 * 16 * 2, hidden=64, kv_heads=2, intermediate=128,
+                      vocab=100, qk_norm=True)
+    res = gpucal.measure(tiny, 2, gpucal.grid(smoke=True), device="cpu", depth=1, warmup=1, repeats=2,
+                         say=lambda s: None)
+    assert [r.kind for r in res] == ["prefill", "prefill", "decode", "mixed"]
+    assert all(r.step_ms > 0 and r.stack_ms_range[0] <= r.stack_ms <= r.stack_ms_range[1] for r in res)
+    assert all(r.step_ms == pytest.approx(r.head_ms + 2 * r.stack_ms, abs=1e-3) for r in res)
+    assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["calibrate", "gpu", "--device", "cpu"], "--device cpu and --smoke go together"),
+    (["calibrate", "gpu", "--base", "h200-disk"], "--base: IO flags; they need calibrate BENCH.json"),
+    (["calibrate", "gpu", "--measurements", str(NOTES), "--depth", "2"],
+     "--depth: timing flags; --measurements fits without timing"),
+    (["calibrate", str(NOTES), "--models", "llama3-8b"], "--models: GPU flags; they need calibrate gpu"),
+    (["calibrate", "gpu", "--models", "deepseek-v3"], "argument --models: unknown 'deepseek-v3'"),
+    *([] if gpucal_cuda() else [(["calibrate", "gpu"], "calibrate gpu needs a CUDA GPU")]),
+])
+def test_calibrate_gpu_refuses_a_mistake_in_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys):
+    bad = tmp_path / "m.json"
+    bad.write_text('{"measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[0, 0]], "decode": [0, 0], '
+                   '"step_ms": 1}\n]}\n')
+    assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
+    assert f"{bad}:2: prefills must be a list of [new tokens >= 1, cached tokens >= 0]" in capsys.readouterr().err

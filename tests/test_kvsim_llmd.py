@@ -1,0 +1,226 @@
+"""Several replicas behind llm-d's router, the llm-d tiered-prefix-cache scenario, and a
+trace offering more than the deployment serves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvsim.cli import main
+from kvsim.generate import SharedPrefixStages
+from kvsim.gpu import load_gpu
+from kvsim.hardware import Hardware
+from kvsim.models import get_model
+from kvsim.replay import ReplayConfig, Workload, build, replay
+from kvsim.router import RouterSpec
+from kvsim.scenarios import LLMD_ROWS, get_scenario
+from kvsim.tiers import parse_tier
+from kvsim.trace import TraceRequest
+
+MODEL = get_model("llama3-8b")
+
+
+def test_the_benchmark_stages_replay_inference_perfs_order():
+    st = SharedPrefixStages(rates=(5, 10), groups=4, prompts_per_group=2, system_len=512, question_len=128)
+    stages = st.stages()
+    assert [len(s) for s in stages] == [300, 600]
+    assert [{r.phase for r in s} for s in stages] == [{"5 QPS"}, {"10 QPS"}]
+    for s in stages:
+        assert all(a.arrival_ns <= b.arrival_ns for a, b in zip(s, s[1:])) and 55e9 < s[-1].arrival_ns < 70e9
+    prompts = [r.hash_ids for r in stages[0]]
+    # Eight prompts, shuffled once, sent in order from the first in every stage.
+    assert len(set(prompts)) == 8 and prompts[:16] == prompts[:8] * 2
+    assert [r.hash_ids for r in stages[1][:8]] == prompts[:8]
+    # A group's prompts share its system prompt's blocks, and nothing else.
+    by_prefix = {}
+    for p in set(prompts):
+        by_prefix.setdefault(p[:4], set()).add(p)
+    assert len(by_prefix) == 4 and all(len(v) == 2 for v in by_prefix.values())
+
+
+def _groups_trace(groups: int, per_group: int, gap_ns: int) -> list[TraceRequest]:
+    reqs = []
+    for i in range(groups * per_group):
+        g = i % groups
+        prefix = tuple(range(g * 8, g * 8 + 8))
+        reqs.append(TraceRequest(i * gap_ns, 9 * 512, 16, prefix + (10_000 + i,), 512))
+    return reqs
+
+
+def test_the_router_keeps_a_prefix_on_one_replica_and_spreads_cold_requests():
+    cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), gpu_kv_bytes=40 << 30), replicas=4)
+    loop, engines = build(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"), cfg)
+    loop.run()
+    # Each group's first request is cold and goes to the replica that least recently got
+    # one; its later requests follow their prefix there.
+    homes = [{r.trace.hash_ids[0] for r in e.finished} for e in engines]
+    assert sorted(len(h) for h in homes) == [1, 1, 1, 1] and len(set().union(*homes)) == 4
+    assert all(len(e.finished) == 6 for e in engines)
+    s, _ = replay(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"), cfg)
+    assert s["replicas"] == 4 and s["gpu_hit_rate"] > 0.8 * (20 / 24) * (8 / 9)
+
+
+def test_without_the_prefix_scorers_the_router_only_balances():
+    spec = RouterSpec(weights=(("queue", 1.0), ("kv-cache-utilization", 1.0)))
+    cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), gpu_kv_bytes=40 << 30), replicas=4, router=spec)
+    blind, _ = replay(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"), cfg)
+    aware, _ = replay(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"),
+                      dataclasses.replace(cfg, router=RouterSpec()))
+    assert blind["gpu_hit_rate"] < aware["gpu_hit_rate"]
+
+
+def test_a_disk_tier_under_tensor_parallelism_is_refused():
+    cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), tp=2))
+    with pytest.raises(ValueError, match=r"disk tier under tensor parallelism \(tp=2\) is not modelled"):
+        replay(_groups_trace(1, 1, 1), parse_tier("disk:1TB"), cfg)
+
+
+@pytest.fixture(scope="module")
+def llmd():
+    return json.loads(_run_json(["trace", "replay", "--scenario", "llm-d-cpu-offload", "--json"]))
+
+
+def _run_json(argv):
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_the_llmd_scenario_is_the_guides_deployment(llmd):
+    sc = get_scenario("llm-d-cpu-offload")
+    assert (sc.replicas, sc.tp, sc.gpu, sc.model) == (8, 2, "h100", "qwen3-32b")
+    assert llmd["replicas"] == 8 and llmd["gpu"] == "h100" and llmd["hardware"]["tp"] == 2
+    # The guide's 2,384,000 GPU tokens over 8 replicas, at Qwen3-32B's 256 KiB per token.
+    assert llmd["hardware"]["gpu_kv_bytes"] == 298_000 * 262_144
+    tiers = {t["tier"]: t for t in llmd["tiers"]}
+    assert set(tiers) == {"none", "cpu:200GiB"}
+    for t in tiers.values():
+        assert [t["phases"][f"{r} QPS"]["requests"] for r in LLMD_ROWS] == [r * 60 for r in LLMD_ROWS]
+    assert tiers["none"]["offload_hit_rate"] == 0 < tiers["cpu:200GiB"]["offload_hit_rate"]
+
+
+def test_the_llmd_scenario_orders_the_tiers_and_collapses_as_published(llmd):
+    pub = llmd["published"]
+    rows = {(r["phase"], r["tier"]): r for r in pub["rows"]}
+    assert len(rows) == 2 * len(LLMD_ROWS)
+    for rate in LLMD_ROWS:
+        none, cpu = rows[(f"{rate} QPS", "none")], rows[(f"{rate} QPS", "cpu:200GiB")]
+        assert cpu["mean TTFT"]["kvsim"] < none["mean TTFT"]["kvsim"]  # offload first at every rate, as published
+        assert cpu["mean TTFT"]["published"] < none["mean TTFT"]["published"]
+    # The run without offload collapses at the published rate.
+    assert pub["collapses_at"]["none"] == {"kvsim": "10 QPS", "published": "10 QPS"}
+
+
+def test_the_table_prints_each_rate_beside_the_published_figure(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["trace", "replay", "--scenario", "llm-d-cpu-offload", "--tier", "cpu:200GiB"]) == 0
+    out = capsys.readouterr().out
+    for rate, (_, offload) in LLMD_ROWS.items():
+        row = next(line for line in out.splitlines() if line.startswith(f"│ {rate} QPS cpu:200GiB "))
+        assert re.search(rf"/ {offload[0]:.2f} s\s+x\d+\.\d\d", row), row
+    assert "collapses at" in out and "published: llm-d/llm-d guides/tiered-prefix-cache" in out
+
+
+def test_reload_flags_are_refused_with_the_llmd_scenario(capsys):
+    assert main(["trace", "replay", "--scenario", "llm-d-cpu-offload", "--contexts", "4"]) == 2
+    assert "--contexts: reload-scenario flags; scenario llm-d-cpu-offload is not a reload scenario" in \
+        capsys.readouterr().err
+
+
+# -- a trace offering more than the deployment serves ----------------------------------------
+
+
+def _heavy_trace(path: Path) -> None:
+    """Mooncake records: 8K-token prompts of their own at 8 per second for 60 s, about
+    65,000 prompt tokens a second, well over what one H200 prefills of Llama-3-8B."""
+    with path.open("w") as f:
+        for i in range(480):
+            ids = list(range(i * 16, i * 16 + 16))
+            f.write(json.dumps({"timestamp": i * 125, "input_length": 8192, "output_length": 32,
+                                "hash_ids": ids}) + "\n")
+
+
+def test_an_overloaded_trace_says_so_with_a_time_scale_that_serves_it(tmp_path, capsys):
+    trace = tmp_path / "heavy.jsonl"
+    _heavy_trace(trace)
+    assert main(["trace", "replay", str(trace), "--tier", "none"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    m = re.search(r"kvsim: overloaded: the trace offers ([\d,]+) prompt tokens/s over 60 s \(480 requests\); one "
+                  r"H200 serving llama3-8b served none ([\d,]+) tokens/s, so its TTFTs are mostly queueing\. "
+                  r"--time-scale ([\d.]+) or --replicas (\d+) would serve it", out)
+    assert m, out
+    offered, served = (int(g.replace(",", "")) for g in m.groups()[:2])
+    assert abs(offered - 8192 * 480 / 59.875) < 1 and offered > served
+    assert out.index("kvsim: overloaded") < out.index("GPU token hit rate")  # before the table
+    assert "queueing for the GPU" not in out  # the line says why; no warning repeats it
+    for fix in (["--time-scale", m.group(3)], ["--replicas", m.group(4)]):
+        assert main(["trace", "replay", str(trace), "--tier", "none", *fix]) == 0
+        assert "kvsim: overloaded" not in capsys.readouterr().out
+
+
+def test_a_trace_the_deployment_keeps_up_with_gets_no_overload_line(tmp_path, capsys):
+    trace = tmp_path / "heavy.jsonl"
+    _heavy_trace(trace)
+    assert main(["trace", "replay", str(trace), "--tier", "none", "--time-scale", "20", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["overload"] is None and "kvsim: overloaded" not in captured.err
+
+
+def test_the_page_cache_serves_reloads_only_from_memory_the_gpu_does_not_duplicate():
+    # The default scenario's 32 GiB of free memory holds the contexts written last, which the
+    # GPU holds too: no reload reads the page cache, so the drive reads what O_DIRECT reads.
+    # With 256 GiB it holds every context: the drive reads nothing.
+    sc = get_scenario("dram-limited-nvme")
+    reqs = sc.workload.requests()
+    for free, same in ((sc.host_free_bytes, True), (256 << 30, False)):
+        hw = dataclasses.replace(Hardware(), host_free_bytes=free)
+        cfg = ReplayConfig(get_model(sc.model), hw, sc.load_policy, gpu=load_gpu("h200"))
+        direct, _ = replay(reqs, parse_tier("disk:200GB"), cfg)
+        buffered, _ = replay(reqs, parse_tier("disk:200GB:pagecache"), cfg)
+        assert direct["bytes_loaded"] == buffered["bytes_loaded"] > 0
+        if same:
+            assert buffered["disk_bytes_read"] == direct["disk_bytes_read"] == direct["bytes_loaded"]
+        else:
+            assert buffered["disk_bytes_read"] == 0 < direct["disk_bytes_read"]
+
+
+def test_stages_start_once_the_one_before_has_drained():
+    st = SharedPrefixStages(rates=(2, 4), stage_s=5, groups=2, prompts_per_group=2, system_len=512, question_len=128)
+    work = Workload(tuple(st.stages()), 7 * 10**9)
+    cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), gpu_kv_bytes=8 << 30))
+    s, _ = replay(work, parse_tier("none"), cfg)
+    assert s["requests"] == 30 and list(s["phases"]) == ["2 QPS", "4 QPS"]
+    first, second = s["phases"]["2 QPS"], s["phases"]["4 QPS"]
+    assert second["first_arrival_s"] >= first["last_finish_s"] + 7
+    assert second["tokens_per_s"] > first["tokens_per_s"]
+
+
+def _burst(path: Path) -> None:
+    with path.open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"timestamp": 0, "input_length": 8192, "output_length": 64,
+                                "hash_ids": list(range(i * 16, i * 16 + 16))}) + "\n")
+
+
+def test_a_burst_whose_stores_hold_the_gpu_drains_and_says_how_to_split_it(tmp_path, capsys):
+    # 300 distinct 8K-token prompts at once: the GPU fills with blocks the disk tier's stores
+    # still hold; the idle engine used to wait for a store completion that sends no event,
+    # and the replay ended with requests waiting. It wakes at the first store's end now.
+    trace = tmp_path / "burst.jsonl"
+    _burst(trace)
+    assert main(["trace", "replay", str(trace), "--tier", "disk:1TB", "--json"]) == 0
+    captured = capsys.readouterr()
+    t = json.loads(captured.out)["tiers"][0]
+    assert t["requests"] == 300 and t["offload_hit_rate"] == 0
+    m = re.search(r"kvsim: overloaded: the trace's 300 requests \(2,457,600 prompt tokens\) arrive at once; .* "
+                  r"--replicas (\d+) would serve it", captured.err)
+    assert m and "--time-scale" not in captured.err, captured.err
+    assert main(["trace", "replay", str(trace), "--tier", "disk:1TB", "--replicas", m.group(1), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overload"] is None
