@@ -197,7 +197,8 @@ class NativeCopy:
 
     def __init__(self, driver: Driver, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                  attr: MemcpyAttributes, stream: Any, event: DriverEvent, wait: bool) -> None:
-        self.driver, self.arrays, self.attr, self.stream, self.event = driver, (dsts, srcs, sizes), attr, stream, event
+        self.event = event
+        self._kept = (dsts, srcs, sizes, attr, stream)  # what c points into lives as long as it
         fn, core = driver.addresses, native_io.core()
         ffi, c = core.ffi, core.ffi.new("kvo_copy *")
         c.kind, c.count = core.lib.KVO_COPY_CUDA, len(sizes)
@@ -208,9 +209,3 @@ class NativeCopy:
         c.attrs = ffi.cast("void *", ctypes.addressof(attr))
         c.stream, c.event = ffi.cast("void *", stream.cuda_stream), ffi.cast("void *", event.handle)
         self.c = c
-
-    def launch(self) -> DriverEvent:
-        """Launch it from Python instead (no unit call comes next); returns its event."""
-        self.driver.memcpy_batch(*self.arrays, self.attr, self.stream)
-        self.event.record(self.stream)
-        return self.event

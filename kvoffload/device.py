@@ -14,7 +14,6 @@ each slot is one aligned span however odd the per-tensor sizes are).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -244,11 +243,8 @@ class Device(Protocol):
 class PreparedCopy(Protocol):
     """A device copy the native core makes (``native_copy``)."""
 
-    c: Any  # the kvo_copy (native/unit_io.h) the unit's call takes
+    c: Any  # the kvo_copy (native/unit_io.h) the core makes: in a unit's call, or kvo_copy_gated
     event: DeviceEvent  # done once the copy is
-
-    def launch(self) -> DeviceEvent:
-        """Make the copy from Python instead (no unit call came to make it); its event."""
 
 
 class DoneEvent:
@@ -317,11 +313,6 @@ class HostCopy:
         self.c = ffi.new("kvo_copy *")
         self.c.kind, self.c.count = core.lib.KVO_COPY_MEMCPY, len(sizes)
         self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in self.arrays)
-
-    def launch(self) -> DeviceEvent:
-        for d, s, n in zip(*(a.tolist() for a in self.arrays)):
-            ctypes.memmove(d, s, n)
-        return self.event
 
 
 class HostDevice(CpuDevice):

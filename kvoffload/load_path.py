@@ -93,7 +93,7 @@ class LoadLane(Lane):
             if p.copy is not None:  # no native call came to launch it
                 copy = self.take_copy(p)
                 if copy is not None:
-                    self.launch_copy(p, copy.launch)
+                    self.launch_prepared(p, copy)
             if p.event is not None:
                 try:
                     # Mostly done by now (it had this thread's next unit of file IO to run
@@ -119,6 +119,17 @@ class LoadLane(Lane):
             return None
         p.event = copy.event
         return copy
+
+    def launch_prepared(self, p: _Pending, copy: Any) -> None:
+        """Make ``p``'s prepared copy (counted in as running) in one native call, inside
+        shutdown's gate: the thread gives the GIL up once, as for the copy alone."""
+        rc = self.run.native.lib.kvo_copy_gated(copy.c, self.run.gate.ptr)
+        if rc == -1:  # shutdown ended its job meanwhile
+            self.run.metrics.failed(False, "closing", len(p.good))
+            self.copy_not_made(p)
+        elif rc != 0:
+            self.copy_not_made(p)
+            raise native_io.DeviceCopyError(f"kvoffload: a load's device copy failed: CUresult {rc}")
 
     def launch_copy(self, p: _Pending, launch: Any) -> None:
         """Launch ``p``'s device copy from Python (counted in as running), unless shutdown

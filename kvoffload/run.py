@@ -590,10 +590,16 @@ class Run:
         later changes nothing (if its bytes landed last, they fail the record's check)."""
         jobs = [p.job.job_id for p in unit.parts for _ in p.slots] if unit.parts else None
         job = unit.job.job_id
-        with self.lock:  # against a store being launched to one of these slots meanwhile
-            for j, s in enumerate(unit.slots):
-                if self.latest_store[s] == (job if jobs is None else jobs[j]):
-                    self.records[s] = None if j in failed else records[j]
+        latest, own = self.latest_store, self.records
+        # No lock (a contended one costs an IO thread a GIL hand-over per unit). A store
+        # launched to the slot meanwhile sets latest_store first, then clears the record
+        # (submit): set, then look again, and the newer store's clearing always comes last.
+        for j, s in enumerate(unit.slots):
+            mine = job if jobs is None else jobs[j]
+            if latest[s] == mine:
+                own[s] = None if j in failed else records[j]
+                if latest[s] != mine:
+                    own[s] = None
 
     def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
         with self.lock:

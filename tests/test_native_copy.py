@@ -48,7 +48,7 @@ class Recorded:
 
 
 class CallbackCopy:
-    """``NativeCopy``'s shape: ``c`` for the core, ``event``, and ``launch()`` from Python."""
+    """``NativeCopy``'s shape: ``c`` for the core, and ``event``."""
 
     def __init__(self, dev: "CallbackCopyDevice", arrays, event: Recorded, wait: bool) -> None:
         core = native_io.core()
@@ -62,12 +62,6 @@ class CallbackCopy:
         self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in arrays)
         self.c.event = ffi.cast("void *", token)
 
-    def launch(self) -> Recorded:
-        self.dev.python_launches += 1
-        self.dev.move(*self.arrays)
-        self.event.recorded += 1
-        return self.event
-
 
 class CallbackCopyDevice(CpuDevice):
     """CpuDevice whose ``native_copy`` the core launches as a driver copy: C calls back here."""
@@ -76,7 +70,7 @@ class CallbackCopyDevice(CpuDevice):
         ffi = native_io.core().ffi
         self.lock = threading.Lock()
         self.events: dict[int, Recorded] = {}
-        self.c_launches = self.python_launches = self.waits = 0
+        self.c_launches = self.waits = 0
         self.fail_batch = 0  # a CUresult to fail the next launches with
         self.batch_fn = ffi.callback("kvo_batch_fn", self._batch)
         self.record_fn = ffi.callback("kvo_record_fn", self._record)
@@ -133,12 +127,13 @@ def test_copies_run_inside_the_units_calls_and_move_exact_bytes(tmp_path):
     try:
         want, ev = snapshot(caches), []
         assert run_job(b, list(range(16)), list(range(16, 32)), True, ev).ok
-        assert (dev.c_launches, dev.waits, dev.python_launches) == (8, 8, 0)
+        assert (dev.c_launches, dev.waits) == (8, 8)
         for t in caches.values():
             t.fill_(7)
         assert run_job(b, list(range(16, 32)), list(range(16)), False, ev, 1).ok
-        # Each unit's copy launched by the next one's call; the last by settle(), from Python.
-        assert (dev.c_launches - 8, dev.python_launches) == (7, 1)
+        # Each unit's copy launched by the next one's call; the last by settle() (kvo_copy_gated):
+        # every one from C.
+        assert dev.c_launches - 8 == 8
         for k in caches:
             assert torch.equal(caches[k], want[k]), k
     finally:
@@ -215,7 +210,7 @@ def test_a_copy_prepared_when_shutdown_begins_never_writes_the_blocks(tmp_path):
     ev = []
     assert run_job(b, list(range(4)), list(range(4)), True, ev).ok
     caches["layer0"].fill_(7)
-    launches = dev.c_launches + dev.python_launches
+    launches = dev.c_launches
     osc.fail_nth("preadv", osc.calls["preadv"] + 1, Fault.hang(release, timeout=30))
     b.launch_copy(list(range(4)), list(range(4)), False, 1, ev)
     assert osc.hang_entered.wait(10)
@@ -227,7 +222,7 @@ def test_a_copy_prepared_when_shutdown_begins_never_writes_the_blocks(tmp_path):
     while any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kvoffload-load")):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert dev.c_launches + dev.python_launches == launches  # the prepared copy was never made
+    assert dev.c_launches == launches  # the prepared copy was never made
     assert bool((caches["layer0"] == 7).all())
 
 

@@ -107,6 +107,10 @@ void kvo_gate_close(int *gate);
 int kvo_gate_enter(int *gate);
 void kvo_gate_leave(int *gate);
 void kvo_gate_end(int *gate);
+/* Make `copy` inside the gate (a load's copy no unit call came to launch): its CUresult,
+ * or -1 where the gate had ended (nothing launched). One call, so the thread gives the
+ * GIL up once for it, as for the batched copy alone. */
+int kvo_copy_gated(kvo_copy *copy, int *gate);
 
 /* What the extension was built from and for (checked by native_io.py at import). */
 const char *kvo_build_info(void);

@@ -20,11 +20,7 @@ int64_t kvo_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-int kvo_run_copy(kvo_unit *u) {
-    const kvo_copy *c = u->copy;
-    if (c == NULL)
-        return 0;
-    int64_t t0 = kvo_now_ns();
+static int make_copy(const kvo_copy *c) {
     int rc = 0;
     if (c->kind == KVO_COPY_MEMCPY) {
         for (size_t i = 0; i < c->count; i++)
@@ -39,7 +35,23 @@ int kvo_run_copy(kvo_unit *u) {
             rc = c->wait(c->event);
         rc = rc > 0 ? rc : (rc < 0 ? 1 : 0);
     }
+    return rc;
+}
+
+int kvo_run_copy(kvo_unit *u) {
+    if (u->copy == NULL)
+        return 0;
+    int64_t t0 = kvo_now_ns();
+    int rc = make_copy(u->copy);
     u->copy_ns += kvo_now_ns() - t0;
+    return rc;
+}
+
+int kvo_copy_gated(kvo_copy *copy, int *gate) {
+    if (!kvo_gate_enter(gate))
+        return -1;
+    int rc = make_copy(copy);
+    kvo_gate_leave(gate);
     return rc;
 }
 
