@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from faults import Fault, FaultyOsCalls
 from kvoffload import DiskBackend
 from kvoffload import metrics as m
-from kvoffload.device import CpuDevice, HostDevice
+from kvoffload.device import CpuDevice, HostDevice, alloc_host
 
 BLOCKS, SLOTS, BLOCK = 8, 12, 4096
 FAULTS = {
@@ -64,10 +64,17 @@ class Recording(FaultyOsCalls):
                          info.result if info.error is None else type(info.error).__name__))
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    out = alloc_host(t.numel(), 4096).view(torch.int8).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def run(tmp_path, io_path: str, device: str, seal: str, jobs, faults) -> dict:
     host = device != "staged"
     gen = torch.Generator().manual_seed(0)
-    caches = ({"blocks": torch.randint(-128, 128, (BLOCKS, BLOCK), dtype=torch.int8, generator=gen)} if host else
+    # Host blocks 4096-aligned, so a direct lane is one on both paths (the allocator's own is 64 B).
+    caches = ({"blocks": aligned(torch.randint(-128, 128, (BLOCKS, BLOCK), dtype=torch.int8, generator=gen))} if host else
               {f"layer{i}": torch.randint(-128, 128, (BLOCKS, BLOCK // 2), dtype=torch.int8, generator=gen)
                for i in range(2)})
     osc = Recording()
@@ -83,6 +90,7 @@ def run(tmp_path, io_path: str, device: str, seal: str, jobs, faults) -> dict:
     try:
         assert b.stats()["io_path"] == io_path
         out["direct"] = b.stats()["direct_io"]
+        assert out["direct"]["load"] == (device == "direct" and b.files[0].direct), out["direct"]
         ev: list = []
         for i, (is_store, blocks, slots) in enumerate(jobs):
             if not is_store:  # what a failed load leaves is compared too
