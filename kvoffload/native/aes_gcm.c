@@ -625,12 +625,12 @@ TGT_Z INL __m128i z_ghash_bytes(const kvo_gcm_key *k, __m128i x, const uint8_t *
     v##4 = _mm512_loadu_si512((p) + 256), v##5 = _mm512_loadu_si512((p) + 320),                  \
     v##6 = _mm512_loadu_si512((p) + 384), v##7 = _mm512_loadu_si512((p) + 448)
 
-/* Software prefetch. The output lines `far` bytes ahead are fetched for writing
- * (prefetchw) before each step's stores: one step ahead normally, two when `far` (out
- * of place, 1 MiB and more: more than L2 holds with the input); without it the stores
- * wait on their read-for-ownership (2 MiB out of place: ~10% faster here, no change in
- * cache). With `far` the input two steps ahead is fetched too (another ~5% there; in
- * cache it costs ~5%, so only then). Prefetches never fault past a buffer's end. */
+/* Software prefetch. Before each step's stores the output lines ahead are fetched for
+ * writing (prefetchw): one step ahead, or two when `far` (out of place and 1 MiB or
+ * more, so input and output together outgrow L2); without it the stores wait on their
+ * read-for-ownership (2 MiB out of place: ~10% faster here, no change in cache). With
+ * `far` the input two steps ahead is fetched too (another ~5% there; in cache it costs
+ * ~5%, hence only then). Prefetches never fault past a buffer's end. */
 #define Z_PF_FAR_MIN ((size_t)1 << 20)
 #define Z_PREFETCH8(p, hint)                                                              \
     do {                                                                                  \
@@ -762,7 +762,6 @@ TGT_Z static int z_open(const kvo_gcm_key *k, const uint8_t iv[12], const uint8_
         return tag_check(z_crypt(k, iv, aad, aad_len, in, out, len, 0, 1), tag);
     return tag_check(z_crypt(k, iv, aad, aad_len, in, out, len, 0, 0), tag);
 }
-
 
 /* ==== Dispatch. ==== */
 
