@@ -10,10 +10,6 @@ other side, bit flips that must fail the open, and property-based cases (hypothe
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import types
-from pathlib import Path
 
 import pytest
 from cryptography.exceptions import InvalidTag
@@ -21,48 +17,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-NATIVE = Path(__file__).resolve().parent.parent / "kvoffload" / "native"
 PATHS = ("vaes-avx512", "vaes-avx2", "aesni-pclmul")
 TAG = 16
 
 
-def _key_bytes() -> int:
-    for line in (NATIVE / "aes_gcm.h").read_text().splitlines():
-        if line.startswith("#define KVO_GCM_KEY_BYTES"):
-            return int(line.split()[2])
-    raise AssertionError("KVO_GCM_KEY_BYTES not in aes_gcm.h")
-
-
-def scratch_build(tmp: Path) -> types.SimpleNamespace:
-    """aes_gcm.c compiled here into a shared library, loaded with cffi (ABI mode)."""
-    from cffi import FFI
-
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc not found: the scratch build of aes_gcm.c needs it")
-    so = tmp / "libkvo_gcm.so"
-    subprocess.run([gcc, "-O3", "-fPIC", "-shared", "-std=gnu11", "-o", str(so), str(NATIVE / "aes_gcm.c")],
-                   check=True)
-    ffi = FFI()
-    ffi.cdef(f"""
-        typedef struct {{ uint8_t opaque[{_key_bytes()}]; }} kvo_gcm_key;
-        int kvo_gcm_supported(void);
-        const char *kvo_gcm_impl(void);
-        int kvo_gcm_force_impl(const char *name);
-        void kvo_gcm_init(kvo_gcm_key *k, const uint8_t key[16]);
-        void kvo_gcm_seal(const kvo_gcm_key *k, const uint8_t iv[12], const uint8_t *aad, size_t aad_len,
-                          const uint8_t *in, uint8_t *out, size_t len, uint8_t tag[16]);
-        int kvo_gcm_open(const kvo_gcm_key *k, const uint8_t iv[12], const uint8_t *aad, size_t aad_len,
-                         const uint8_t *in, uint8_t *out, size_t len, const uint8_t tag[16]);
-    """)
-    return types.SimpleNamespace(ffi=ffi, lib=ffi.dlopen(str(so)))
-
-
 @pytest.fixture(scope="session")
-def native(tmp_path_factory):
-    """Something with ``ffi`` and ``lib`` (the kvo_gcm_* functions): for now a scratch
-    build; with the built extension this becomes ``import kvoffload._native as n; return n``."""
-    return scratch_build(tmp_path_factory.mktemp("aes_gcm"))
+def native(native_core):
+    """The built extension: ``ffi`` and ``lib`` with the kvo_gcm_* functions."""
+    return native_core
 
 
 @pytest.fixture(params=PATHS)

@@ -8,7 +8,6 @@ them to the same outcomes job by job.
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import subprocess
 import sys

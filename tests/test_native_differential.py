@@ -11,7 +11,6 @@ next: the schedule then means the same calls on both paths.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
