@@ -204,7 +204,7 @@ class NativeCopy:
         c.kind, c.count = core.lib.KVO_COPY_CUDA, len(sizes)
         c.batch = ffi.cast("kvo_batch_fn", fn["cuMemcpyBatchAsync"])
         c.record = ffi.cast("kvo_record_fn", fn["cuEventRecord"])
-        c.wait = ffi.cast("kvo_wait_fn", fn["cuEventSynchronize"]) if wait else ffi.NULL
+        c.sync, c.wait = ffi.cast("kvo_wait_fn", fn["cuEventSynchronize"]), int(wait)
         c.dsts, c.srcs, c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in (dsts, srcs, sizes))
         c.attrs = ffi.cast("void *", ctypes.addressof(attr))
         c.stream, c.event = ffi.cast("void *", stream.cuda_stream), ffi.cast("void *", event.handle)

@@ -121,8 +121,8 @@ class LoadLane(Lane):
         return copy
 
     def launch_prepared(self, p: _Pending, copy: Any) -> None:
-        """Make ``p``'s prepared copy (counted in as running) in one native call, inside
-        shutdown's gate: the thread gives the GIL up once, as for the copy alone."""
+        """Make ``p``'s prepared copy (counted in as running) and wait for it, in one native
+        call inside shutdown's gate: the thread gives the GIL up once for both."""
         rc = self.run.native.lib.kvo_copy_gated(copy.c, self.run.gate.ptr)
         if rc == -1:  # shutdown ended its job meanwhile
             self.run.metrics.failed(False, "closing", len(p.good))

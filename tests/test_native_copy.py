@@ -58,7 +58,7 @@ class CallbackCopy:
         self.c = ffi.new("kvo_copy *")
         self.c.kind, self.c.count = core.lib.KVO_COPY_CUDA, len(arrays[2])
         self.c.batch, self.c.record = dev.batch_fn, dev.record_fn
-        self.c.wait = dev.wait_fn if wait else ffi.NULL
+        self.c.sync, self.c.wait = dev.wait_fn, int(wait)
         self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in arrays)
         self.c.event = ffi.cast("void *", token)
 

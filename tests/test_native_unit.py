@@ -212,7 +212,8 @@ class StagingCopy:
                     ffi.callback("kvo_wait_fn", self.wait))  # kept alive with the copy
         self.c = ffi.new("kvo_copy *")
         self.c.kind, self.c.count = core.lib.KVO_COPY_CUDA, 1
-        self.c.batch, self.c.record, self.c.wait = self.fns
+        self.c.batch, self.c.record, self.c.sync = self.fns
+        self.c.wait = 1
         self.c.event = ffi.cast("void *", 1234)
 
     def batch(self, *args) -> int:

@@ -37,9 +37,10 @@ typedef int (*kvo_wait_fn)(void *event);
 
 typedef struct {
     int kind;            /* KVO_COPY_CUDA or KVO_COPY_MEMCPY */
+    int wait;            /* nonzero: a unit's call waits for it (a store's, before it seals) */
     kvo_batch_fn batch;  /* CUDA only */
     kvo_record_fn record;
-    kvo_wait_fn wait;    /* NULL: launched, not waited for */
+    kvo_wait_fn sync;    /* the event's synchronize (CUDA) */
     uint64_t *dsts;      /* count addresses each */
     uint64_t *srcs;
     uint64_t *sizes;
@@ -107,9 +108,9 @@ void kvo_gate_close(int *gate);
 int kvo_gate_enter(int *gate);
 void kvo_gate_leave(int *gate);
 void kvo_gate_end(int *gate);
-/* Make `copy` inside the gate (a load's copy no unit call came to launch): its CUresult,
- * or -1 where the gate had ended (nothing launched). One call, so the thread gives the
- * GIL up once for it, as for the batched copy alone. */
+/* Make `copy` inside the gate and wait for it (a load's copy no unit call came to launch,
+ * made when its unit is settled): its CUresult, or -1 where the gate had ended (nothing
+ * launched). One call, so the thread gives the GIL up once for the launch and the wait. */
 int kvo_copy_gated(kvo_copy *copy, int *gate);
 
 /* What the extension was built from and for (checked by native_io.py at import). */
