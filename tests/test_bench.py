@@ -101,6 +101,16 @@ def test_profile_covers_the_io_threads(capsys, tmp_path):
     assert any("store_path.py" in f for f, _, _ in st.stats)
 
 
+def test_runs_give_each_ratio_per_run_with_its_median(capsys, tmp_path):
+    # Issue 33: one run cannot settle a ratio; --runs N measures each case and its ceiling
+    # back to back N times, and the row carries each run's ratio and their median.
+    out = run_quick(capsys, tmp_path, "--layouts", "small", "--modes", "direct", "--seals", "off", "--only", "disk",
+                    "--runs", "3")
+    r = {x["case"]: x for x in out["cases"]}["small direct off cold-load"]
+    assert len(r["ratio_per_run"]) == 3 and all(x > 0 for x in r["ratio_per_run"])
+    assert r["ratio_median"] == sorted(r["ratio_per_run"])[1]
+
+
 @pytest.mark.parametrize("only", ["seal", "seam", "dram"])
 def test_profile_works_with_any_selection(capsys, tmp_path, only):
     # Issue 33: --profile --only seal measured, then ended in a pstats traceback (nothing profiled).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from typing import Optional
 
@@ -34,6 +35,9 @@ def summarize(runs: list) -> list[dict]:
             per_run.append((c, ratios))
         best_c, ratios = max(per_run, key=lambda x: x[0].timed.gib_s)
         main = ratios.get(c0.ceilings[0]) if c0.ceilings else None
+        # Each run measured the case and its ceilings back to back (interleaved rounds): the
+        # ratio within each run, then their median and range, settle what one run cannot.
+        per_round = [r[c0.ceilings[0]][0] for _, r in per_run if c0.ceilings and c0.ceilings[0] in r]
         gib = best_c.timed.nbytes / 2**30
         checks = [c.verified for c, _ in per_run]
         rows.append({
@@ -48,6 +52,8 @@ def summarize(runs: list) -> list[dict]:
             "ratio": None if main is None else round(main[0], 4),
             "ceiling_gib_s": None if main is None else round(main[1], 4),
             "ratios": {name: round(r, 4) for name, (r, _) in ratios.items()},
+            "ratio_per_run": [round(x, 4) for x in per_round],
+            "ratio_median": round(statistics.median(per_round), 4) if per_round else None,
             "cpu_s_per_gib": round(best_c.timed.cpu_seconds / gib, 4) if gib else None,
             "verified": None if checks[0] is None else all(checks),
             "detail": {**best_c.timed.detail, **best_c.info},
@@ -93,7 +99,7 @@ def _label(r: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'case':<46} {'GiB/s':>8} {'worst':>8} {'ratio':>6} {'ceiling':>8}  {'of ceiling':<33} "
-            f"{'CPU s/GiB':>9}  check")
+            f"{'CPU s/GiB':>9}  check  {'ratio per run: median (range)'}")
     out = [head, "-" * len(head)]
     layout = None
     for r in rows:
@@ -103,8 +109,11 @@ def table(rows: list[dict]) -> str:
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         ceil = "" if r["ceiling_gib_s"] is None else f"{r['ceiling_gib_s']:.2f}"
         check = {None: "-", True: "ok", False: "FAIL"}[r["verified"]]
+        rounds = r.get("ratio_per_run") or []
+        spread = (f"{r['ratio_median']:.2f} ({min(rounds):.2f}-{max(rounds):.2f}) of {len(rounds)}"
+                  if len(rounds) > 1 else "")
         out.append(f"{_label(r):<46} {r['gib_s_best']:8.2f} {r['gib_s_worst']:8.2f} {ratio:>6} {ceil:>8}  "
-                   f"{(r['ceiling'] or ''):<33} {(r['cpu_s_per_gib'] or 0):9.3f}  {check}")
+                   f"{(r['ceiling'] or ''):<33} {(r['cpu_s_per_gib'] or 0):9.3f}  {check:<5}  {spread}")
     return "\n".join(out)
 
 
