@@ -32,14 +32,14 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io"})
+KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file"})
 # Keys that were renamed: the message names the new one.
 RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 # Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
 DISK_ONLY_KEYS = (
     "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
-    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file", "native_io",
+    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file",
 )
 
 _UNITS = {
@@ -157,6 +157,7 @@ class OffloadConfig:
     # The IO path: True/"on" the native core (refused at start-up where it cannot run),
     # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
     native_io: Optional[bool] = None
+    prefill_file: bool = False  # write the slot file once at start-up: first stores at the rewrite rate
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
@@ -193,7 +194,7 @@ class OffloadConfig:
                 kw[key] = _int(key, extra[key], minimum)
         if "direct_io_alignment" in kw and kw["direct_io_alignment"] & (kw["direct_io_alignment"] - 1):
             raise ValueError(f"direct_io_alignment={kw['direct_io_alignment']!r}: expected a power of two")
-        for key in ("use_page_cache", "lazy_offload", "encrypt", "checksums", "named_file"):
+        for key in ("use_page_cache", "lazy_offload", "encrypt", "checksums", "named_file", "prefill_file"):
             if key in extra:
                 kw[key] = _bool(key, extra[key])
         if "native_io" in extra:
@@ -234,7 +235,7 @@ class OffloadConfig:
         """kvoffload's own ``DiskBackend.init`` keywords (the connector adds the rest)."""
         return {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
                 "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
-                "native_io": self.native_io}
+                "native_io": self.native_io, "prefill": self.prefill_file}
 
     def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""

@@ -110,6 +110,7 @@ class DiskBackend:
         os_calls: Optional[OsCalls] = None,
         device_impl: Optional[Device] = None,
         native_io: Optional[bool | str] = None,
+        prefill: bool = False,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -130,6 +131,9 @@ class DiskBackend:
           if set (``on``, ``off``, ``auto``), else the core where it was built and the seal
           is AES-GCM or none, else the Python path; True or ``"on"``: required (init fails
           saying why not); False or ``"off"``: the Python path. Decided here, once.
+        - ``prefill``: write each slot file once with zeros before ``init`` returns, so a
+          fresh file's first stores run at the rewrite rate (start-up pays one full write
+          of the files; docs/config.md).
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -142,7 +146,8 @@ class DiskBackend:
         _positive_int("num_disk_slots", num_disk_slots)
         _positive_int("total_block_bytes", total_block_bytes)
         for name, flag in (("use_page_cache", use_page_cache), ("encrypt", encrypt), ("checksums", checksums),
-                           ("report_load_errors", report_load_errors), ("named_file", named_file)):
+                           ("report_load_errors", report_load_errors), ("named_file", named_file),
+                           ("prefill", prefill)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if native_io is not None and not isinstance(native_io, (bool, str)):
@@ -194,7 +199,7 @@ class DiskBackend:
                 # Slot s of the whole pool lives in file s % n at index s // n.
                 run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
-                                                 max_slot_bytes=budget // num_disk_slots))
+                                                 max_slot_bytes=budget // num_disk_slots, prefill=prefill))
             for f in run.files:
                 rows = unit_rows(io_unit_bytes, f.slot_bytes, f.num_slots, layout.num_blocks)
                 run.lanes[True].append(StoreLane(run, f, store_stream, rows))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -101,11 +102,13 @@ class SlotFile:
         use_page_cache: bool,
         named_file: bool = False,
         max_slot_bytes: Optional[int] = None,
+        prefill: bool = False,
     ) -> "SlotFile":
         """Create, secure and preallocate the slot file for ``path``; clean up on any failure.
 
         ``max_slot_bytes``: the most one slot may take (the caller's disk budget per
-        slot); a larger padded slot is refused before any space is reserved.
+        slot); a larger padded slot is refused before any space is reserved. ``prefill``:
+        write the whole file once with zeros before it is used (``_prefill``).
         """
         if num_slots < 1:
             raise ValueError(f"num_disk_slots must be >= 1, got {num_slots}")
@@ -131,6 +134,8 @@ class SlotFile:
                     "worker does not), or set use_page_cache (no padding)",
                 )
             _reserve(osc, fd, num_slots * slot_bytes, path)
+            if prefill:
+                _prefill(osc, fd, num_slots * slot_bytes, path)
             _close_quietly(osc, fds, directory, index=0)  # everything after this goes through fd
             sf = cls(fd, path, named, not use_page_cache, alignment, slot_bytes, num_slots, held=fds)
             logger.info(
@@ -380,6 +385,28 @@ def _free(vfs: os.statvfs_result) -> int:
 
 def _no_space(path: str, size: int, free: int) -> SlotFileError:
     return SlotFileError(errno.ENOSPC, f"not enough space for the slot file of {path!r}: need {size} bytes, {free} free")
+
+
+PREFILL_CHUNK = 16 << 20
+
+
+def _prefill(osc: OsCalls, fd: int, size: int, path: str) -> None:
+    """Write [0, size) once with zeros. ext4 and XFS hand fallocated space out as unwritten
+    extents and convert each on its first write, so a fresh file's first stores run slower
+    than rewrites (RAM drives on the H200: 0.35-0.53 of a rewrite; the dev VM's virtio ext4:
+    0.83, ``scripts/probe_first_write.py``); written once here, every store is a rewrite,
+    for a start-up that costs one full write of the file (docs/config.md)."""
+    zeros = memoryview(mmap.mmap(-1, min(PREFILL_CHUNK, size)))  # page-aligned, as O_DIRECT needs
+    for off in range(0, size, len(zeros)):
+        n = min(len(zeros), size - off)
+        try:
+            done = osc.pwritev(fd, [zeros[:n]], off)
+        except OSError as e:
+            raise SlotFileError(e.errno, f"cannot prefill the slot file for {path!r} at byte {off}: "
+                                         f"{e.strerror}") from e
+        if done != n:
+            raise SlotFileError(errno.EIO, f"cannot prefill the slot file for {path!r}: short write at "
+                                           f"byte {off} ({done} of {n})")
 
 
 def _reserve(osc: OsCalls, fd: int, size: int, path: str) -> None:

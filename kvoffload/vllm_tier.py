@@ -61,7 +61,7 @@ _FACTORY_KEYS = ("type", "module_path", "backpressure")
 # thread: set io_unit_bytes lower where host memory is scarcer than the engine's GIL.
 TIER_IO_UNIT_BYTES = 16 * 2**20
 _KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
-         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io")
+         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io", "prefill_file")
 _CLASSES: dict[str, type] = {}
 
 
@@ -93,6 +93,7 @@ class TierConfig:
     # against 1.18; docs/vllm_tiering.md). xxh3 loads measured a tie.
     direct_io: bool = False
     native_io: Optional[bool] = None  # the IO path, as kv_connector_extra_config's native_io
+    prefill_file: bool = False  # write the slot files once at start-up (kv_connector_extra_config's key)
 
     def __post_init__(self) -> None:
         # Checked here, not only in from_tier_config, so a TierConfig built directly is
@@ -109,7 +110,7 @@ class TierConfig:
                                  "from_tier_config parses sizes such as '1TiB')")
         if self.io_threads is not None:
             _int("io_threads", self.io_threads, 1)
-        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io"):
+        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io", "prefill_file"):
             _bool(key, getattr(self, key))
         object.__setattr__(self, "native_io", parse_choice(self.native_io, "native_io"))
         if self.locality is not None and self.locality not in LOCALITIES:
@@ -214,7 +215,8 @@ class SlotTier:
             {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
-            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, native_io=cfg.native_io, os_calls=osc,
+            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, native_io=cfg.native_io,
+            prefill=cfg.prefill_file, os_calls=osc,
             device_impl=HostDevice(cfg.direct_io), **extra,
         )
         self._jobs: dict[int, _Job] = {}

@@ -41,7 +41,7 @@ def test_full_disk_config() -> None:
                 num_cpu_blocks=10, native_io="off")
     assert cfg.disk_mode and cfg.disk_capacity_bytes == 1610612736
     assert cfg.backend_kwargs() == {"encrypt": False, "checksums": False, "io_threads": 16, "named_file": True,
-                                    "capacity_bytes": 1610612736, "native_io": False}
+                                    "capacity_bytes": 1610612736, "native_io": False, "prefill": False}
 
 
 @pytest.mark.parametrize("value, expected", [(True, True), ("on", True), ("OFF", False), (False, False),
@@ -226,3 +226,9 @@ def test_connector_without_vllm_names_the_supported_version() -> None:
 
     with pytest.raises(ImportError, match=r"^kvoffload\.vllm needs vLLM 0\.32\.x or 0\.33\.x installed: "):
         kvv.KvoffloadConnector
+
+
+def test_prefill_file_is_a_bool_key() -> None:
+    assert parse(**DISK, prefill_file=True).backend_kwargs()["prefill"] is True
+    with pytest.raises(ValueError, match="prefill_file"):
+        parse(**DISK, prefill_file="sometimes")

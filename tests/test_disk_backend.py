@@ -643,3 +643,32 @@ def test_striping_over_two_paths_isolates_a_failed_disk(device, tmp_path):
             assert torch.equal(caches["layer0"][i].cpu(), want["layer0"][i])
     finally:
         b.shutdown()
+
+
+def test_prefill_writes_each_file_once_through_the_seam_before_init_returns(tmp_path):
+    # Issue 33: written once at start-up, a slot file takes every store as a rewrite (no
+    # unwritten-extent conversion); the writes go through the OS seam, like every file call.
+    caches = make_caches("cpu", 8, [4096])
+    osc = FaultyOsCalls()
+    b = start(caches, "cpu", tmp_path, num_slots=4096, os_calls=osc, prefill=True, io_unit_bytes=1 << 20)
+    try:
+        f = b.files[0]
+        assert osc.calls["pwritev"] == -(-f.size // (16 << 20))
+        with open(f"/proc/self/fd/{f.fd}", "rb") as fh:  # what the disk holds
+            assert not any(fh.read())
+        ev = []
+        assert run_job(b, [0, 1], [0, 1], True, ev).ok and run_job(b, [0, 1], [2, 3], False, ev).ok
+    finally:
+        b.shutdown()
+
+
+def test_a_failed_prefill_fails_init_and_leaves_nothing(tmp_path, fd_guard):
+    caches = make_caches("cpu", 8, [4096])
+    osc = FaultyOsCalls().fail_nth("pwritev", 2, Fault.error(errno.EIO))
+    b = DiskBackend()
+    with pytest.raises(SlotFileError, match=r"cannot prefill the slot file for .*kv\.bin' at byte 16777216"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv.bin"), 8192, block_bytes(caches), os_calls=osc,
+               prefill=True, report_load_errors=True)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="^prefill must be a bool"):
+        b.init(caches, "cpu", None, None, str(tmp_path / "kv.bin"), 8, block_bytes(caches), prefill="yes")
