@@ -1,12 +1,10 @@
 """AES-128-GCM speed, one thread: kvoffload's native kvo_gcm_seal/open against
 ``cryptography``'s AESGCM.encrypt_into/decrypt_into (OpenSSL), on the same buffers.
 
-    python scripts/bench_aes_gcm.py [--lib PATH] [--impl NAME|all] [--rounds N] [--sizes 2M,256K,64K]
+    python scripts/bench_aes_gcm.py [--impl NAME|all] [--rounds N] [--sizes 2M,256K,64K]
 
---lib PATH loads that shared library (cffi ABI mode; e.g. one built with
-``gcc -O3 -fPIC -shared -o libgcm.so kvoffload/native/aes_gcm.c``); without it the built
-extension ``kvoffload._native`` is used where it imports, else aes_gcm.c is compiled
-with gcc into a temporary directory. Every case runs once per round, the rounds in
+The core's functions come from the built extension ``kvoffload._native``, called as the
+backend calls them (cffi, API mode). Every case runs once per round, the rounds in
 rotating order (so drift and noise from other tenants spread over all cases alike);
 each sample is about --sample-s seconds of back-to-back calls on one buffer (short
 samples, many rounds: a sample that another process interrupts is an outlier the
@@ -21,54 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from cffi import FFI
-
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "kvoffload" / "native" / "aes_gcm.c"
-CDEF = """
-typedef struct { uint8_t opaque[%d]; } kvo_gcm_key;
-int kvo_gcm_supported(void);
-const char *kvo_gcm_impl(void);
-int kvo_gcm_force_impl(const char *name);
-void kvo_gcm_init(kvo_gcm_key *k, const uint8_t key[16]);
-void kvo_gcm_seal(const kvo_gcm_key *k, const uint8_t iv[12], const uint8_t *aad, size_t aad_len,
-                  const uint8_t *in, uint8_t *out, size_t len, uint8_t tag[16]);
-int kvo_gcm_open(const kvo_gcm_key *k, const uint8_t iv[12], const uint8_t *aad, size_t aad_len,
-                 const uint8_t *in, uint8_t *out, size_t len, const uint8_t tag[16]);
-"""
 IMPLS = ("vaes-avx512", "vaes-avx2", "aesni-pclmul")
-
-
-def key_bytes() -> int:
-    for line in (ROOT / "kvoffload" / "native" / "aes_gcm.h").read_text().splitlines():
-        if line.startswith("#define KVO_GCM_KEY_BYTES"):
-            return int(line.split()[2])
-    raise RuntimeError("KVO_GCM_KEY_BYTES not found in aes_gcm.h")
-
-
-def load(path: str | None):
-    """(ffi, lib, where): the library with the kvo_gcm_* functions."""
-    if path is None:
-        try:
-            from kvoffload._native import ffi, lib  # type: ignore[import-not-found]
-            return ffi, lib, "kvoffload._native"
-        except ImportError:
-            gcc = shutil.which("gcc")
-            if gcc is None:
-                sys.exit("no kvoffload._native and no gcc: give --lib PATH")
-            path = os.path.join(tempfile.mkdtemp(prefix="bench_gcm_"), "libgcm.so")
-            subprocess.run([gcc, "-O3", "-fPIC", "-shared", "-o", path, str(SOURCE)], check=True)
-    ffi = FFI()
-    ffi.cdef(CDEF % key_bytes())
-    return ffi, ffi.dlopen(path), path
 
 
 def parse_size(s: str) -> int:
@@ -82,7 +37,6 @@ def human(n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lib", help="shared library with the kvo_gcm_* functions")
     ap.add_argument("--impl", default="best", help="a path name, 'best' (the CPU's pick) or 'all' it supports")
     ap.add_argument("--rounds", type=int, default=31)
     ap.add_argument("--sample-s", type=float, default=0.025)
@@ -94,7 +48,12 @@ def main() -> None:
     from cryptography.hazmat.backends.openssl import backend
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    ffi, lib, where = load(args.lib)
+    from kvoffload import native_io
+
+    core = native_io.core()
+    if core is None:
+        sys.exit(f"the native IO core is unavailable: {native_io.why_unavailable()}")
+    ffi, lib, where = core.ffi, core.lib, "kvoffload._native"
     if not lib.kvo_gcm_supported():
         sys.exit("kvo_gcm_supported() is 0 on this CPU")
     best = ffi.string(lib.kvo_gcm_impl()).decode()
