@@ -23,6 +23,8 @@ instance after ``init`` is honoured too.
 from __future__ import annotations
 
 import errno
+import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -65,7 +67,7 @@ _LOCK = threading.Lock()
 
 def _import() -> NativeCore:
     try:
-        from kvoffload import _native  # noqa: PLC0415 - the extension is optional
+        _native = importlib.import_module("kvoffload._native")  # optional: not built without a compiler
     except ModuleNotFoundError as e:
         raise ImportError("the native IO core was not built with this install: pip builds it where it finds a "
                           "C compiler") from e
@@ -90,8 +92,6 @@ def _import() -> NativeCore:
 
 
 def _source_digest(builder: Path, sources: Path) -> Optional[str]:
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("_kvoffload_build_native", builder)
     if spec is None or spec.loader is None:
         return None
