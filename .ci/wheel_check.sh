@@ -44,3 +44,17 @@ else
   for t in python3 sh bash env; do ln -s "$(command -v $t)" "$work/bin/$t"; done
   KVO_NO_NAMESPACE=1 run "$work/venv/bin:$work/bin" ""
 fi
+# A source install where no C compiler works still installs, and runs the Python path saying why
+# (from the tracked files alone: no build directory or extension left by an earlier build).
+mkdir "$work/src" && (cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
+python -m venv "$work/venv-nocc"
+"$work/venv-nocc/bin/pip" install -q 'torch==2.13.0' 'setuptools>=61' 'cffi>=1.17'
+( cd "$work/run" && CC=/nonexistent/cc "$work/venv-nocc/bin/pip" install -q --no-build-isolation "$work/src" ) \
+  > "$work/nocc.log" 2>&1 || { tail -20 "$work/nocc.log"; echo "wheel check: the source install failed" >&2; exit 1; }
+out=$(cd "$work/run" && "$work/venv-nocc/bin/python" -m kvoffload --mib 16 2>&1)
+echo "$out" | tail -2
+echo "$out" | grep -q "IO path: Python (the native IO core was not built with this install" \
+  || { echo "wheel check: a source install without a compiler did not say it runs the Python path" >&2; exit 1; }
+echo "$out" | grep -q "bytes verified: True" || { echo "wheel check: the Python path's round trip failed" >&2; exit 1; }
+echo "wheel check: a source install with no working compiler installs and runs the Python path, saying why"
+
