@@ -79,7 +79,7 @@ def test_the_engine_times_its_steps_with_the_profile():
     eng = _engine(gpu, m)
     batch = Batch(prefills=[(_request(0, 9000, 8, 4096), 2048)], decodes=[_request(1, 600, 50, 600)] * 3,
                   decode_ctx=3 * 700)
-    want = gpu.step_ns(m, 1, 2048 + 3, 4, m.attention_flops(2048, 4096), 2100 * m.kv_bytes_per_token)
+    want = gpu.step_ns(m, 1, 2048 + 3, 4, m.attention_flops(2048, 4096), 2100 * m.kv_bytes_per_token, 3)
     assert eng._single_step_ns(batch) == want
     # A run of decode steps fast-forwarded is the sum of its single steps.
     decodes = [_request(i, 600, 40, 600) for i in range(3)]
@@ -87,17 +87,32 @@ def test_the_engine_times_its_steps_with_the_profile():
         r.generated = 1
     run = Batch(decodes=decodes, decode_ctx=3 * 601)
     total = eng._batch_ns(0, run, None)
-    steps = [gpu.step_ns(m, 1, 3, 3, 0.0, (3 * 601 + 3 * k) * m.kv_bytes_per_token) for k in range(run.steps)]
+    steps = [gpu.step_ns(m, 1, 3, 3, 0.0, (3 * 601 + 3 * k) * m.kv_bytes_per_token, 3) for k in range(run.steps)]
     assert run.steps == 39 and total == sum(steps)
 
 
 def test_tensor_parallelism_splits_the_work_and_adds_the_all_reduce():
     gpu, m = load_gpu("h200"), get_model("qwen3-32b")
-    one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0)
-    two = gpu.gpu_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0)
+    one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0)
+    two = gpu.gpu_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0, 0)
     allreduce = 2 * m.layers * (gpu.allreduce_us * 1e-6 + 8192 * m.hidden * 2 / (gpu.allreduce_gb_s * 1e9))
-    assert two == pytest.approx(gpu.measured_part_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0) + allreduce)
+    assert two == pytest.approx(gpu.measured_part_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0, 0) + allreduce)
     assert one / 2 < two < one
+
+
+def test_decode_attention_reads_at_a_thread_blocks_rate_per_sequence_and_kv_head():
+    # One block per decoding sequence and KV head on each GPU, each at kv_head_gb_s,
+    # until the blocks together reach the HBM's kv_gb_s.
+    gpu, m = load_gpu("h200"), get_model("qwen3-32b")
+    f = gpu.fit
+    assert gpu.kv_s_per_byte(m, 1, 1) == pytest.approx(1 / (8 * f.kv_head_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 2, 3) == pytest.approx(1 / (2 * 3 * 4 * f.kv_head_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 1, 512) == pytest.approx(1 / (f.kv_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 16, 1) == pytest.approx(1 / (16 * f.kv_head_gb_s * 1e9))  # one head replicated
+    # A decode step with the same KV spread over more sequences is no slower.
+    kv = 16 * 4096 * m.kv_bytes_per_token
+    times = [gpu.gpu_s(m, 1, b, b, 0.0, kv, b) for b in (1, 2, 4, 16)]
+    assert times[0] > times[1] > times[2] and gpu.kv_s_per_byte(m, 1, 16) <= gpu.kv_s_per_byte(m, 1, 4)
 
 
 def test_the_h100_is_the_h200_by_the_datasheets_ratios():
@@ -107,10 +122,11 @@ def test_the_h100_is_the_h200_by_the_datasheets_ratios():
     assert h100.fit.weight_gb_s == pytest.approx(h200.fit.weight_gb_s * ratio)
     assert h100.fit.kv_gb_s == pytest.approx(h200.fit.kv_gb_s * ratio)
     assert (h100.fit.gemm_tflops, h100.fit.attn_tflops) == (h200.fit.gemm_tflops, h200.fit.attn_tflops)
+    assert h100.fit.kv_head_gb_s == h200.fit.kv_head_gb_s  # the same SMs: what one block streams stays
     m = get_model("qwen3-32b")
     # Decode, bound by memory, is slower on the H100; a long prefill, bound by FLOPs, nearly not.
-    assert h100.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token) > \
-        1.3 * h200.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token)
+    assert h100.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token, 32) > \
+        1.3 * h200.gpu_s(m, 2, 32, 32, 0.0, 32 * 16384 * m.kv_bytes_per_token, 32)
     assert h100.prefill_s(m, 2, 8192, 0) < 1.05 * h200.prefill_s(m, 2, 8192, 0)
 
 
