@@ -219,7 +219,7 @@ class Engine:
         # since nothing could change the batch then; stop before the first finish.
         # Only the KV read grows from step to step (gpu.py's decode_parts): it runs for most steps.
         limit = min(r.output - r.generated for r in batch.decodes)
-        const, per_kv_byte = self.profile.decode_parts(m, self.hw.tp, n_dec, n_dec)
+        const, per_kv_byte = self.profile.decode_parts(m, self.hw.tp, n_dec, n_dec, n_dec)
         const += self.profile.step_fixed_ms * 1e-3
         end = math.inf if t_next is None else t_next - now
         total, steps = dur, 1
@@ -250,7 +250,7 @@ class Engine:
         n_dec = len(batch.decodes)
         tokens = sum(n for _, n in batch.prefills) + n_dec
         return self.profile.step_ns(m, self.hw.tp, tokens, len(batch.prefills) + n_dec, attn,
-                                    batch.decode_ctx * m.kv_bytes_per_token)
+                                    batch.decode_ctx * m.kv_bytes_per_token, n_dec)
 
     def _blocks_needed(self, r: Request) -> int:
         """GPU blocks a request ever holds: one KV slot per token it feeds, the prompt and

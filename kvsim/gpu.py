@@ -1,22 +1,28 @@
 """The GPU's step time, from a profile fitted to measured layer stacks (``calibrate gpu``).
 
 One engine step on one GPU of a replica (tensor parallelism ``tp``) runs ``T`` new
-tokens of ``S`` sequences: prefill chunks and decode tokens together. Its time is
+tokens of ``S`` sequences: prefill chunks and ``D`` decode tokens together. Its time is
 
     linear    softmax(W / weight_rate, F_lin / gemm_rate)      the weight GEMMs
-  + attention F_attn / attn_rate + KV / kv_rate                prefill FLOPs, decode KV reads
+  + attention F_attn / attn_rate                               prefill FLOPs
+            + KV / min(kv_rate, D * H_kv * kv_head_rate)       decode's reads of the cached KV
   + per token T * L * token_layer, per layer L * layer          norms, RoPE, small kernels
   + all-reduce 2 L (allreduce + T * hidden * 2 / allreduce_rate) when tp > 1
   + host      step_fixed                                       scheduling, sampling [est]
 
 with W the weights a step reads and F_lin = 2 (params T + vocab hidden S), all per
 GPU (divided by ``tp``). ``softmax(a, b) = (a^k + b^k)^(1/k)``: a GEMM is bound by its
-weights at few tokens and by its FLOPs at many, and the knee between is soft. The
-rates and the per-token and per-layer costs are fitted to step times measured on
-the H200 (kvsim/profiles/gpu_h200.json holds the measurements, the fit and the
-command); another GPU is derived from the H200 by published ratios only
-(``derive``). The all-reduce and the host's cost per step are not measured: each
-profile says where they come from.
+weights at few tokens and by its FLOPs at many, and the knee between is soft. Decode
+attention runs one thread block per sequence and KV head (``H_kv`` KV heads on each
+GPU), each streaming its context's KV from HBM: a block keeps only so many bytes in
+flight, so the read rate grows with the ``D * H_kv`` blocks until the HBM's rate caps
+it (the H200 measured about 46 GB/s a block, saturating near 100 blocks; the kernel
+timed does not split a context across blocks). The rates and the per-token and
+per-layer costs are fitted to step times measured on the H200
+(kvsim/profiles/gpu_h200.json holds the measurements, the fit and the command);
+another GPU is derived from the H200 by published ratios only (``derive``). The
+all-reduce and the host's cost per step are not measured: each profile says where
+they come from.
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ class StepFit:
     weight_gb_s: float  # weights read by the linear layers when few tokens run
     gemm_tflops: float  # linear layers when many do
     attn_tflops: float  # prefill attention, FLOPs as ModelShape.attention_flops counts them
-    kv_gb_s: float  # decode attention's reads of the cached KV
+    kv_gb_s: float  # decode attention's reads of the cached KV, at full parallelism (the HBM's cap)
     token_layer_ns: float  # per token per layer: norms, RoPE, activation, residuals
     layer_us: float  # per layer per step: the small kernels' floor
     knee: float  # k of the soft maximum
+    # Decode attention's read rate per thread block (one sequence's one KV head): what
+    # a block alone streams, so that D * H_kv blocks read at most D * H_kv times it.
+    kv_head_gb_s: float
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -76,17 +85,26 @@ class GpuProfile:
 
     # -- the step ------------------------------------------------------------------------
 
-    def gpu_s(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float) -> float:
+    def gpu_s(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float,
+              decodes: int) -> float:
         """Seconds of GPU work of one step (the host's ``step_fixed_ms`` excluded):
         ``tokens`` new tokens of ``seqs`` sequences, ``attn_flops`` of prefill attention
-        and ``kv_bytes`` of cached KV that decodes read, all for the whole model."""
-        const, per_kv_byte = self.decode_parts(m, tp, tokens, seqs)
+        and ``kv_bytes`` of cached KV that the step's ``decodes`` decoding sequences read,
+        all for the whole model."""
+        const, per_kv_byte = self.decode_parts(m, tp, tokens, seqs, decodes)
         return const + attn_flops / (tp * self.fit.attn_tflops * 1e12) + kv_bytes * per_kv_byte
 
-    def decode_parts(self, m: ModelShape, tp: int, tokens: int, seqs: int) -> tuple[float, float]:
+    def decode_parts(self, m: ModelShape, tp: int, tokens: int, seqs: int, decodes: int) -> tuple[float, float]:
         """A step's seconds without its attention, and its seconds per byte of cached KV
         read: the two parts of a run of decode steps, only the KV growing."""
-        return self.layers_s(m, tp, tokens, seqs) + self.allreduce_s(m, tp, tokens), 1.0 / (tp * self.fit.kv_gb_s * 1e9)
+        return self.layers_s(m, tp, tokens, seqs) + self.allreduce_s(m, tp, tokens), self.kv_s_per_byte(m, tp, decodes)
+
+    def kv_s_per_byte(self, m: ModelShape, tp: int, decodes: int) -> float:
+        """Decode attention's seconds per byte of the model's cached KV: each GPU reads its
+        ``1 / tp`` share at the HBM's rate, or slower when its ``decodes * H_kv`` thread
+        blocks (one a sequence and KV head) cannot pull that much."""
+        blocks = max(1, decodes) * kv_heads_per_gpu(m, tp)
+        return 1.0 / (tp * min(self.fit.kv_gb_s, blocks * self.fit.kv_head_gb_s) * 1e9)
 
     def layers_s(self, m: ModelShape, tp: int, tokens: int, seqs: int) -> float:
         """The fitted part without attention: linear layers, per-token and per-layer work."""
@@ -104,17 +122,18 @@ class GpuProfile:
         return 2 * m.layers * (self.allreduce_us * 1e-6 + tokens * m.hidden * 2 / (self.allreduce_gb_s * 1e9))
 
     def measured_part_s(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float,
-                        kv_bytes: float) -> float:
+                        kv_bytes: float, decodes: int) -> float:
         """What ``calibrate gpu`` times: one GPU's share of the step without the all-reduce."""
-        return self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes) - self.allreduce_s(m, tp, tokens)
+        return self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes) - self.allreduce_s(m, tp, tokens)
 
-    def step_ns(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float) -> int:
+    def step_ns(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float,
+                decodes: int) -> int:
         """One engine step, host work included, in ns."""
-        return round((self.step_fixed_ms * 1e-3 + self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes)) * 1e9)
+        return round((self.step_fixed_ms * 1e-3 + self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes)) * 1e9)
 
     def prefill_s(self, m: ModelShape, tp: int, n_new: int, n_ctx: int) -> float:
         """GPU seconds of a lone prefill of ``n_new`` tokens after ``n_ctx`` cached ones."""
-        return self.gpu_s(m, tp, n_new, 1, m.attention_flops(n_new, n_ctx), 0.0)
+        return self.gpu_s(m, tp, n_new, 1, m.attention_flops(n_new, n_ctx), 0.0, 0)
 
     def token_s(self, m: ModelShape, tp: int) -> float:
         """GPU seconds per prompt token in a full batch, attention aside (the linear layers
@@ -124,7 +143,9 @@ class GpuProfile:
     def derive(self, name: str, hbm_bytes: float, bandwidth_ratio: float, compute_ratio: float,
                why: str) -> "GpuProfile":
         """Another GPU from this one by published ratios only: memory-bound parts scale with
-        HBM bandwidth, compute-bound parts with the tensor rate, the rest stays."""
+        HBM bandwidth, compute-bound parts with the tensor rate, the rest stays (the
+        per-layer floor, and what one thread block streams: ``derive`` is for GPUs of the
+        same SMs)."""
         f = self.fit
         fit = dataclasses.replace(f, weight_gb_s=f.weight_gb_s * bandwidth_ratio, kv_gb_s=f.kv_gb_s * bandwidth_ratio,
                                   token_layer_ns=f.token_layer_ns / bandwidth_ratio,
@@ -140,9 +161,16 @@ DERIVED = {
     "h100": dict(base="h200", hbm_bytes=80 * (1 << 30), bandwidth_ratio=3.35 / 4.8, compute_ratio=1.0,
                  why="H100 SXM5 from the H200 by the datasheets: HBM 3.35 against 4.8 TB/s (x0.698 on weight and "
                      "KV reads and per-token work), the same 989 TFLOP/s dense bf16 (x1.0 on GEMMs and attention), "
-                     "80 GB"),
+                     "the same GH100 chip's 132 SMs (x1.0 on what one decode thread block streams: bound by the bytes "
+                     "one SM keeps in flight, not by the HBM's total [est]), 80 GB"),
 }
 GPUS = (*MEASURED, *DERIVED)
+
+
+def kv_heads_per_gpu(m: ModelShape, tp: int) -> int:
+    """KV heads one GPU of ``tp`` holds: a share, or one replicated head when ``tp``
+    exceeds them (as gpucal's layer stacks build them); an MLA model's one latent."""
+    return max(1, m.kv_heads // tp)
 
 
 def load_gpu(name: str) -> GpuProfile:

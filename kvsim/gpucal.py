@@ -398,19 +398,20 @@ def run(models: Iterable[tuple[ModelShape, int]], out_path: Optional[str], devic
 # -- the fit ----------------------------------------------------------------------------------
 
 # Where the fit starts, and what it keeps when no measurement constrains it (no decode
-# step: the weight and KV read rates and the knee): a device copy on this workplace's
-# H200 moved 4.3 TB/s (library/device/KINDS.md, 2026-10-28 and 11-04); the knee [est].
+# step: the weight and KV read rates, the knee and a decode thread block's rate): a
+# device copy on this workplace's H200 moved 4.3 TB/s (library/device/KINDS.md,
+# 2026-10-28 and 11-04), a block's share of it over the H200's 132 SMs; the knee [est].
 START = dict(weight_gb_s=4300.0, gemm_tflops=700.0, attn_tflops=450.0, kv_gb_s=4300.0, token_layer_ns=1.0,
-             layer_us=10.0, knee=4.0)
-DECODE_SIDE = ("weight_gb_s", "kv_gb_s", "knee")
+             layer_us=10.0, knee=4.0, kv_head_gb_s=4300.0 / 132)
+DECODE_SIDE = ("weight_gb_s", "kv_gb_s", "knee", "kv_head_gb_s")
 
 
-def _shape(rec: dict[str, Any]) -> tuple[ModelShape, int, int, int, float, float]:
+def _shape(rec: dict[str, Any]) -> tuple[ModelShape, int, int, int, float, float, int]:
     m = get_model(rec["model"])
     attn = sum(m.attention_flops(n, c) for n, c in rec["prefills"])
     b, ctx = rec["decode"]
     tokens = sum(n for n, _ in rec["prefills"]) + b
-    return m, rec["tp"], tokens, len(rec["prefills"]) + b, attn, b * ctx * m.kv_bytes_per_token
+    return m, rec["tp"], tokens, len(rec["prefills"]) + b, attn, b * ctx * m.kv_bytes_per_token, b
 
 
 def predicted_ms(gpu: GpuProfile, rec: dict[str, Any]) -> float:
@@ -553,13 +554,23 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     ]
     if not any(r["decode"][0] for r in used):
         notes.append("no decode step measured: " + ", ".join(f"{n} {START[n]:g}" for n in DECODE_SIDE)
-                     + " kept (a device copy moved 4.3 TB/s on this workplace's H200; the knee [est])")
+                     + " kept (a device copy moved 4.3 TB/s on this workplace's H200, a thread block's share of it "
+                       "over 132 SMs; the knee [est])")
+    else:
+        notes.append(
+            f"decode attention: {fit.kv_head_gb_s:.1f} GB/s per thread block (one sequence's one KV head), up to "
+            f"kv_gb_s {fit.kv_gb_s:.0f} from {fit.kv_gb_s / fit.kv_head_gb_s:.0f} blocks on: the kernel timed (torch "
+            f"SDPA) streams a context in one block; FlashAttention 3, vLLM's on Hopper, splits a context over several "
+            f"blocks when too few fill the SMs (its num_splits_heuristic), so below that many blocks this is the "
+            f"kernel timed, likely slower than vLLM's")
     if "source" in mach:
         notes.append(f"measurements: {mach['source']}")
     commands = list(doc["commands"]) + ([refit] if refit else [])
     prof = GpuProfile(name, f"measured on {gpu}", hbm, fit, STEP_FIXED_MS, ALLREDUCE_US, ALLREDUCE_GB_S, notes,
                       recs, commands, mach)
-    worst = max(abs(predicted_ms(prof, r) / r["step_ms"] - 1) for r in fitted(recs))
+    errors = [abs(predicted_ms(prof, r) / r["step_ms"] - 1) for r in fitted(recs)]
     text = table(prof, recs, tolerance) + (f"\nfit: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items())
-                                           + f"; worst error {100 * worst:.1f}%")
+                                           + f"; worst error {100 * max(errors):.1f}%, "
+                                             f"{sum(e > tolerance for e in errors)} of {len(errors)} steps beyond "
+                                             f"{100 * tolerance:g}%")
     return prof, text
