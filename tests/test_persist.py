@@ -437,3 +437,92 @@ def test_persistent_stores_need_keys(disk, io_path):
     with pytest.raises(ValueError, match="persist needs encrypt=True"):
         DiskBackend().init(caches(), "cpu", None, None, str(disk / "kv"), SLOTS, BLOCK, encrypt=False,
                            persist=Persist(KEY, FP))
+
+
+def test_the_ranks_agree_on_what_is_restored(tmp_path, io_path):
+    # Goal: with several ranks (one pool each), a slot is restored only where every rank
+    # holds the same block: a rank holding another key, none, or a torn record refuses it
+    # (counted by cause), and vLLM's null block is never restored.
+    from kvoffload.persist import agree, read_pool
+
+    ranks = []
+    for r in range(2):
+        d = tmp_path / f"rank{r}"
+        d.mkdir(mode=0o700)
+        b, c = start(d, io_path)
+        assert store(b, c, [0, 1, 2, 3], [b"n", b"a", b"b", b"c"])
+        assert store(b, c, [4], [b"d" if r == 0 else b"x"])  # rank 1 holds another block at 4
+        if r == 0:
+            assert store(b, c, [5], [b"e"])  # rank 1 never stored 5
+        b.shutdown()
+        ranks.append(d / "kv")
+    idx = tmp_path / "rank1" / ("kv" + INDEX_SUFFIX)
+    raw = bytearray(idx.read_bytes())
+    raw[RECORDS_OFFSET + 3 * RECORD_BYTES + 8] ^= 1  # rank 1's record of slot 3: torn
+    idx.write_bytes(raw)
+    found = agree([read_pool([str(p)], KEY) for p in ranks], reserved=(0,))
+    assert found.entries() == [(1, b"a"), (2, b"b")]
+    assert dict(found.refused) == {"checksum": 1, "rank_mismatch": 2, "reserved": 1}
+    with pytest.raises(PersistError, match="does not verify under this key"):
+        read_pool([str(ranks[0])], bytes(32))
+
+
+def test_the_tier_keeps_its_chunks_across_a_restart(tmp_path, io_path):
+    # Goal: kvoffload's tier under vLLM's CPU primary (SlotTier) with persist: chunks stored
+    # before a restart are hits after it, loaded exactly into the primary; the pool's LRU
+    # order comes back, and the tier counts what it restored.
+    import mmap
+
+    from kvoffload.vllm_tier import SlotTier, TierConfig
+
+    row, rows = 8192, 8
+    mm = mmap.mmap(-1, row * rows)
+    prim = np.frombuffer(mm, np.int8).reshape(rows, row)
+    key = tmp_path / "key"
+    key.write_bytes(KEY)
+    key.chmod(0o600)
+    cfg = TierConfig.from_tier_config({"disk_path": str(tmp_path / "tier"), "disk_capacity_bytes": 8 * row,
+                                       "persist": True, "persist_key_file": str(key),
+                                       "native_io": io_path == "native"})
+    prim[:] = np.random.default_rng(0).integers(-128, 128, prim.shape, dtype=np.int8)
+    want = prim[:3].copy()
+    t = SlotTier(memoryview(prim), cfg, fingerprint={"model": "tiny"})
+    t.submit_store(1, [b"k0", b"k1", b"k2"], [0, 1, 2])
+    assert t.drain(10) and all(f.success for f in t.poll())
+    t.close()
+    prim[:] = 0
+    t = SlotTier(memoryview(prim), cfg, fingerprint={"model": "tiny"})
+    try:
+        assert [t.lookup(k) for k in (b"k0", b"k1", b"k2", b"k3")] == [True, True, True, False]
+        t.submit_load(2, [b"k0", b"k1", b"k2"], [5, 6, 7])
+        assert t.drain(10) and all(f.success for f in t.poll())
+        assert np.array_equal(prim[5:8], want)
+        assert t.take_metrics()["data"]["vllm:kvoffload_restored_blocks_total"] == {(): 3}
+    finally:
+        t.close()
+    with pytest.raises(PersistError, match="another model or layout"):
+        SlotTier(memoryview(prim), cfg, fingerprint={"model": "other"})
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"persist": True}, "exactly one of persist_key_file"),
+    ({"persist": True, "persist_key_file": "/k", "persist_key_env": "K"}, "exactly one of persist_key_file"),
+    ({"persist_key_file": "/k"}, "persist is not true"),
+    ({"persist": "true", "persist_key_env": "K"}, "expected a JSON boolean"),
+    ({"persist": True, "persist_key_env": "not a name"}, "name of an environment variable"),
+    ({"persist": True, "persist_key_file": ""}, "path to the key file"),
+    ({"persist": True, "persist_key_env": "K", "encrypt": False}, "needs encryption"),
+])
+def test_persist_keys_are_checked_together(extra, match):
+    # Goal: the persist keys are refused in one line naming what is wrong, the same way in
+    # kv_connector_extra_config and in a tier entry.
+    from kvoffload.config import OffloadConfig
+    from kvoffload.vllm_tier import TierConfig
+
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig.from_extra_config({"kv_offload_backend": "disk", "disk_path": "/tmp/kv", **extra})
+    with pytest.raises(ValueError, match=match):
+        TierConfig.from_tier_config({"disk_path": "/tmp/kv", **extra})
+    ok = OffloadConfig.from_extra_config({"kv_offload_backend": "disk", "disk_path": "/tmp/kv", "persist": True,
+                                          "persist_key_env": "K"})
+    assert ok.persist.enabled and ok.persist.key_env == "K" and ok.backend_kwargs().keys().isdisjoint({"persist"})
