@@ -304,9 +304,12 @@ class DiskBackend:
             ident[:, 8] = raw["key_len"]
             ident[:, 9:] = raw["key"]
             nonces = ((raw["nonce_hi"].astype(object) << 64) | raw["nonce_lo"].astype(object)).tolist()
-            tags, idents = raw["tag"].tobytes(), ident.tobytes()
-            for j, s in enumerate(slots.tolist()):
-                run.records[s] = (nonces[j], tags[16 * j:16 * j + 16], idents[IDENT_BYTES * j:IDENT_BYTES * (j + 1)])
+            tags, idents = np.ascontiguousarray(raw["tag"]).tobytes(), ident.tobytes()
+            records = zip(nonces, [tags[j:j + 16] for j in range(0, len(tags), 16)],
+                          [idents[j:j + IDENT_BYTES] for j in range(0, len(idents), IDENT_BYTES)])
+            out = run.records
+            for s, rec in zip(slots.tolist(), records):
+                out[s] = rec
         run.restored = restorable(pool.records)
         pool.records = []  # the raw index: 128 B a slot, not needed once restored
 

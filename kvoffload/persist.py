@@ -474,34 +474,43 @@ class Restored:
 
 def _keys_of(raw: np.ndarray) -> list[bytes]:
     key, n = raw["key"], raw["key_len"].tolist()
-    return [key[i, :k].tobytes() for i, k in enumerate(n)]
+    flat = np.ascontiguousarray(key).tobytes()
+    return [flat[MAX_KEY_BYTES * i:MAX_KEY_BYTES * i + k] for i, k in enumerate(n)]
 
 
 def restorable(per_file: Sequence[FileRecords], reserved: Sequence[int] = ()) -> Restored:
     """The pool's loadable blocks, least recently stored first: each valid record's slot
     (slot s lives in file s % n at s // n) and key; where two slots hold one key, the
     newer one (a slot whose block was evicted and stored again elsewhere keeps its bytes
-    until overwritten). ``reserved``: slots the caller never hands out (vLLM's null block)."""
+    until overwritten). ``reserved``: slots the caller never hands out (vLLM's null block).
+    Vectorised: a million records in well under a second."""
     n = len(per_file)
-    slots, seqs, keys = [], [], []
+    slots, seqs, idents = [], [], []
     refused: Counter = Counter()
     for i, fr in enumerate(per_file):
         refused["checksum"] += int(fr.torn.sum())
         local = np.flatnonzero(fr.valid)
+        raw = fr.raw[local]
         slots.append(local * n + i)
-        seqs.append(fr.raw["seq"][local])
-        keys += _keys_of(fr.raw[local])
-    all_slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-    order = np.argsort(np.concatenate(seqs) if seqs else np.zeros(0), kind="stable")
-    latest: dict[bytes, int] = {}
-    for j in order.tolist():  # later stores overwrite earlier ones
-        latest[keys[j]] = j
-    keep = [j for j in order.tolist() if latest[keys[j]] == j]
-    refused["duplicate"] += len(order) - len(keep)
-    skip = set(reserved)
-    kept = [j for j in keep if int(all_slots[j]) not in skip]
-    refused["reserved"] += len(keep) - len(kept)
-    return Restored(all_slots[kept].astype(np.int64), [keys[j] for j in kept], +refused)
+        seqs.append(raw["seq"])
+        ident = np.zeros((len(raw), 1 + MAX_KEY_BYTES), np.uint8)
+        ident[:, 0], ident[:, 1:] = raw["key_len"], raw["key"]
+        idents.append(ident)
+    all_slots = np.concatenate(slots).astype(np.int64)
+    order = np.argsort(np.concatenate(seqs), kind="stable")
+    keys = np.concatenate(idents)[order]
+    # The newest record of each key: the first one of each key in the reversed order.
+    _, first_rev = np.unique(keys[::-1].view(np.dtype((np.void, keys.shape[1]))).ravel(), return_index=True)
+    newest = np.zeros(len(order), bool)
+    newest[len(order) - 1 - first_rev] = True
+    refused["duplicate"] += int((~newest).sum())
+    keep = newest & ~np.isin(all_slots[order], np.asarray(list(reserved), np.int64))
+    refused["reserved"] += int((newest & ~keep).sum())
+    kept = keys[keep]
+    flat = kept[:, 1:].tobytes()
+    lens = kept[:, 0].tolist()
+    return Restored(all_slots[order][keep], [flat[MAX_KEY_BYTES * i:MAX_KEY_BYTES * i + k]
+                                              for i, k in enumerate(lens)], +refused)
 
 
 @dataclass
