@@ -79,7 +79,7 @@ def _forget(argv: list[str]) -> int:
     for target in targets:
         try:
             print(persist.forget(target, a.without_index))
-        except persist.PersistError as e:
+        except ValueError as e:  # a PersistError, or a path that names a directory
             print(f"{PROG} forget: {cli_args.one_line(e)}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0

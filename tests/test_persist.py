@@ -405,6 +405,10 @@ def test_forget_wipes_the_pool_so_nothing_is_readable(disk, io_path, capsys):
     finally:
         b.shutdown()
     assert main(["forget", str(disk / "nothing")]) == 2
+    assert "no kvoffload pool file or index there" in capsys.readouterr().err
+    (disk / "d.dp0.rank0").mkdir()  # a directory where a rank's file would be: one line, nothing removed
+    assert main(["forget", str(disk / "d")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1 and (disk / "d.dp0.rank0").is_dir()
 
 
 def test_without_persist_nothing_is_named(disk, io_path):
