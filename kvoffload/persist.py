@@ -81,9 +81,6 @@ RECORD_DTYPE = np.dtype([
 ])
 assert RECORD_DTYPE.itemsize == RECORD_BYTES
 
-# Why a record found at start-up is not restored (vllm:kvoffload_refused_blocks_total).
-REFUSE_CAUSES = ("checksum", "duplicate", "rank_mismatch", "reserved")
-
 
 class PersistError(ValueError):
     """A persistent file set that start-up refuses; the message is one line and says what to do.
@@ -399,7 +396,6 @@ class FileRecords:
     raw: np.ndarray  # RECORD_DTYPE, one per slot
     valid: np.ndarray  # bool: a record whose checksum holds
     torn: np.ndarray  # bool: neither empty nor valid (torn, garbled, moved)
-    unread: int = 0  # records that could not be read (they count as empty)
 
     @classmethod
     def empty(cls, n: int) -> "FileRecords":
@@ -414,7 +410,6 @@ def read_records(osc: OsCalls, fd: int, path: str, num_slots: int, keys: PoolKey
     """Every record of the index, checked. A chunk whose read fails counts as empty (logged):
     those slots are simply not restored."""
     buf = np.zeros(num_slots * RECORD_BYTES, np.uint8)
-    unread = 0
     mv = memoryview(buf)
     for off in range(0, len(buf), _READ_CHUNK):
         part = mv[off:off + _READ_CHUNK]
@@ -426,14 +421,13 @@ def read_records(osc: OsCalls, fd: int, path: str, num_slots: int, keys: PoolKey
                            path, RECORDS_OFFSET + off, e.strerror or e)
         if got < len(part):
             np.frombuffer(part, np.uint8)[got:] = 0
-            unread += (len(part) - got) // RECORD_BYTES
     words = buf.view("<u8").reshape(num_slots, RECORD_BYTES // 8)
     raw = buf.view(RECORD_DTYPE)
     empty = ~words.any(axis=1)
     sums = record_checksums(words, np.arange(num_slots, dtype=np.uint64), keys.mult)
     valid = ((sums == words[:, 15]) & (raw["gen"] != 0) & (raw["key_len"] >= 1) & (raw["key_len"] <= MAX_KEY_BYTES)
              & ~raw["reserved"].any(axis=1) & ~raw["pad"].any(axis=1) & ~empty)
-    return FileRecords(raw, valid, ~valid & ~empty, unread)
+    return FileRecords(raw, valid, ~valid & ~empty)
 
 
 def pack_records(local: np.ndarray, gens: np.ndarray, seqs: np.ndarray, nonces: Sequence[int], tags: Sequence[bytes],

@@ -22,7 +22,6 @@ from typing import Optional
 
 from kvoffload import cli_args
 from kvsim.engine import Engine
-from kvsim.events import EventLoop
 from kvsim.hardware import Hardware
 from kvsim.models import get_model
 from kvsim.offload import OffloadTier
@@ -76,8 +75,10 @@ def _carry_over(old: object, new: object) -> int:
     if src is None or dst is None:
         return 0
     cached = {slot: key for key, slot in src.pool.cached_slots().items()}
-    entries = [(slot, cached[slot]) for slot in src.pool.free_queue() if slot in cached]
-    entries += [(slot, key) for slot, key in cached.items() if slot not in set(src.pool.free_queue())]
+    queue = src.pool.free_queue()  # LRU order; a slot a load still held counts as just used
+    entries = [(slot, cached[slot]) for slot in queue if slot in cached]
+    queued = set(queue)
+    entries += [(slot, key) for slot, key in cached.items() if slot not in queued]
     dst.pool.restore(entries)
     dst._written[:] = src._written
     return len(entries)

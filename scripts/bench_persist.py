@@ -32,7 +32,7 @@ from kvoffload import cli_args
 from kvoffload.device import random_caches, resolve_device
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.os_calls import OsCalls
-from kvoffload.persist import (INDEX_SUFFIX, RECORD_BYTES, RECORDS_OFFSET, Persist, PoolKeys, pack_records,
+from kvoffload.persist import (INDEX_SUFFIX, RECORD_BYTES, RECORDS_OFFSET, Persist, pack_records,
                                read_header, read_records)
 
 PROG = "scripts/bench_persist.py"
@@ -114,7 +114,7 @@ def startup(a) -> tuple[float, float, int]:
     osc = OsCalls()
     fd = os.open(path + INDEX_SUFFIX, os.O_RDWR)
     try:
-        hdr, _, keys = read_header(osc, fd, path + INDEX_SUFFIX, KEY)
+        _, _, keys = read_header(osc, fd, path + INDEX_SUFFIX, KEY)
         chunk = 1 << 16
         for s in range(0, n, chunk):  # a valid record in every slot, as a full pool's index holds
             local = np.arange(s, min(s + chunk, n))
