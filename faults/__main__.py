@@ -15,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from faults._sweep import SITES, sweep_all
+from faults._restart import RESTART_SITES
+from faults._sweep import SITES, WORKLOADS, sweep_all
 from kvoffload import cli_args
 
 PROG = "python -m faults"
@@ -30,8 +31,12 @@ def build_parser() -> cli_args.Parser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sweep", help="fail every OS call site at every occurrence, once each")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    s.add_argument("--calls", type=cli_args.Names(tuple(SITES)), default=None,
-                   help=f"comma-separated call sites (default all: {','.join(SITES)})")
+    sites = tuple(dict.fromkeys([*SITES, *RESTART_SITES]))
+    s.add_argument("--calls", type=cli_args.Names(sites), default=None,
+                   help=f"comma-separated call sites (default all: {','.join(sites)})")
+    s.add_argument("--workloads", type=cli_args.Names(WORKLOADS), default=list(WORKLOADS),
+                   help="standard (the standard workload), restart (a persistent pool's store-then-restart "
+                        "cycle); default both")
     s.add_argument("--file-modes", type=cli_args.Names(tuple(FILE_MODES)), default=list(FILE_MODES),
                    help="anonymous,named (default both)")
     s.add_argument("--io", type=cli_args.Names(tuple(IO)), default=list(IO), help="direct,pagecache (default both)")
@@ -53,7 +58,7 @@ def _run(argv: list[str] | None) -> int:
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvoffload-sweep-") as d:
         os.chmod(d, 0o700)
         report = sweep_all(Path(d), a.calls, [FILE_MODES[m] for m in a.file_modes], [IO[m] for m in a.io],
-                           [KINDS[k] for k in a.kinds])
+                           [KINDS[k] for k in a.kinds], workloads=a.workloads)
     for line in report.failures:
         print(line, file=sys.stderr)
     print(json.dumps(report.summary()) if a.json else report.table())

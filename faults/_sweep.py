@@ -69,6 +69,9 @@ NUM_SLOTS = 8
 IO_UNIT_SLOTS = 2
 SLOT_BYTES_DIRECT = 8192
 
+# The workloads the sweep runs: the standard one, and a persistent pool's restart cycle (_restart.py).
+WORKLOADS = ("standard", "restart")
+
 # Total fault points run in this process (the plugin prints it at the end).
 POINTS_RUN = {"points": 0, "runs": 0}
 
@@ -268,41 +271,52 @@ def _judged_point(directory: Path, named: bool, call: str, n: int, fault: Fault,
                   use_page_cache: bool, timeout: float) -> tuple[bool, Optional[str], str]:
     """(whether call #n was reached, the kind of broken invariant or None, what broke)."""
     osc = schedule(call, n, fault, persistent, BACKGROUND.get(call, ()))
+    kind, what = _judged(lambda: run_workload(directory, named, osc, "cpu", use_page_cache,
+                                              leftover_ok=persistent), timeout)
+    return (True if kind == "hangs" else osc.calls[call] >= n), kind, what
+
+
+def _judged(body, timeout: float) -> tuple[Optional[str], str]:
+    """(the kind of broken invariant or None, what broke) of ``body()`` run in a thread: a
+    point that never returns is a hang, judged after ``timeout``, its thread left behind."""
     result: list = []
 
-    def body() -> None:
+    def run() -> None:
         try:
-            run_workload(directory, named, osc, "cpu", use_page_cache, leftover_ok=persistent)
+            body()
             result.append((None, ""))
         except Violation as v:
             result.append((v.kind, str(v)))
         except BaseException as e:  # noqa: BLE001 - any other exception is a wrong outcome, counted
             result.append(("wrong_data", f"{type(e).__name__}: {e}"))
 
-    # A point that never returns is a hang: judged after `timeout`, its thread left behind.
-    t = threading.Thread(target=body, name="faults-sweep-point", daemon=True)
+    t = threading.Thread(target=run, name="faults-sweep-point", daemon=True)
     t.start()
     t.join(timeout)
-    if not result:
-        return True, "hangs", f"still running after {timeout} s"
-    kind, what = result[0]
-    return osc.calls[call] >= n, kind, what
+    return result[0] if result else ("hangs", f"still running after {timeout} s")
 
 
 def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Iterable[bool] = (False, True),
               page_cache: Iterable[bool] = (False, True), persistent: Iterable[bool] = (False, True),
-              limit: int = 200, timeout: float = 120.0) -> SweepReport:
+              limit: int = 200, timeout: float = 120.0, workloads: Iterable[str] = WORKLOADS) -> SweepReport:
     """Every call site (of ``calls``) x its faults x N = 1.. until unreached, under every
-    combination asked for; each point in a fresh subdirectory of ``directory``."""
-    wanted = list(SITES) if calls is None else list(calls)
-    unknown = set(wanted) - set(SITES)
+    combination asked for, for each of ``workloads`` (``standard``: the standard workload,
+    in each file mode; ``restart``: a persistent pool's store-then-restart cycle, whose
+    files are named); each point in a fresh subdirectory of ``directory``. A call site's
+    row counts its points in both."""
+    from faults._restart import BOTH_IO, RESTART_SITES, restart_point
+
+    wanted = list(dict.fromkeys([*SITES, *RESTART_SITES])) if calls is None else list(calls)
+    unknown = set(wanted) - set(SITES) - set(RESTART_SITES)
     if unknown:
-        raise ValueError(f"unknown call site(s) {sorted(unknown)}; known: {', '.join(SITES)}")
+        raise ValueError(f"unknown call site(s) {sorted(unknown)}; known: {', '.join({**SITES, **RESTART_SITES})}")
+    workloads = list(workloads)
     report = SweepReport()
     t0 = time.monotonic()
     dirs = itertools.count()
     for call in wanted:
-        for fault, pers, nm, pc in itertools.product(SITES[call], persistent, named, page_cache):
+        for fault, pers, nm, pc in itertools.product(SITES.get(call, []) if "standard" in workloads else [],
+                                                     persistent, named, page_cache):
             for n in range(1, limit + 1):
                 d = directory / f"p{next(dirs)}"
                 d.mkdir(mode=0o700)
@@ -312,6 +326,23 @@ def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Ite
                                            f"{'named' if nm else 'anonymous'} {'page cache' if pc else 'O_DIRECT'}: "
                                            f"{what}")
                 if not reached:
+                    break
+        restart_faults = RESTART_SITES.get(call, []) if "restart" in workloads else []
+        for fault, pers, pc in itertools.product(restart_faults, persistent, page_cache):
+            if pc and call not in BOTH_IO:
+                continue
+            for n in range(1, limit + 1):
+                reached = [True]
+
+                def body() -> None:
+                    reached[0], _ = restart_point(directory, call, n, fault, pers, pc)  # noqa: B023
+
+                kind, what = _judged(body, timeout)
+                if reached[0] or kind is not None:
+                    report.add(call, kind, f"restart cycle: {call} #{n} {fault!r} "
+                                           f"{'persistent' if pers else 'transient'} "
+                                           f"{'page cache' if pc else 'O_DIRECT'}: {what}")
+                if not reached[0]:
                     break
     report.seconds = time.monotonic() - t0
     return report

@@ -1,5 +1,9 @@
 """`python -m kvoffload`: a store/load round trip through a real slot file, with throughput.
 
+``python -m kvoffload forget DISK_PATH...`` wipes a persistent pool instead (``persist``):
+the files at each disk path as configured (and the per-rank ``DISK_PATH.dpD.rankR`` files
+the vLLM connector makes) are made unreadable and removed; a pool a server holds is refused.
+
 A quick check that a directory works for the backend (O_DIRECT, space,
 permissions, and the backend's own refusals: a symlinked directory, or a
 world-writable one without the sticky bit) and how fast the whole pipeline moves
@@ -19,7 +23,7 @@ import time
 
 import torch
 
-from kvoffload import budget, cli_args
+from kvoffload import budget, cli_args, persist
 from kvoffload.cli_args import UsageError
 from kvoffload.device import random_caches
 from kvoffload.disk_backend import DiskBackend
@@ -52,7 +56,33 @@ def _device(name: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["forget"]:
+        return cli_args.main(f"{PROG} forget", lambda: _forget(argv[1:]))
     return cli_args.main(PROG, lambda: _run(argv))
+
+
+def _forget(argv: list[str]) -> int:
+    p = cli_args.Parser(prog=f"{PROG} forget",
+                        description="Wipe persistent kvoffload pools so nothing in them is readable, and remove them.")
+    p.add_argument("disk_paths", nargs="+", metavar="DISK_PATH", help="a disk_path as configured")
+    p.add_argument("--without-index", action="store_true",
+                   help="also wipe a data file that has no kvoffload index (nothing shows it is kvoffload's)")
+    a = p.parse_args(argv)
+    targets = []
+    for path in a.disk_paths:
+        found = persist.forget_targets(os.path.abspath(path))
+        if not found:
+            raise UsageError(f"{path}: no kvoffload pool file or index there")
+        targets += found
+    failed = 0
+    for target in targets:
+        try:
+            print(persist.forget(target, a.without_index))
+        except ValueError as e:  # a PersistError, or a path that names a directory
+            print(f"{PROG} forget: {cli_args.one_line(e)}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
 
 
 def build_parser() -> cli_args.Parser:

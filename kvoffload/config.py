@@ -25,6 +25,10 @@ DEFAULT_CPU_BYTES = 8 * GiB  # vLLM 0.33's DEFAULT_CPU_CAPACITY_BYTES
 DEFAULT_DISK_CAPACITY_BYTES = 100 * GiB
 DEFAULT_DISK_BUFFER_SLOTS = 2
 
+# Opt-in persistence (persist.py): the flag and where the operator's key comes from.
+PERSIST_KEYS = ("persist", "persist_key_file", "persist_key_env")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
 # Every key vLLM 0.33's connector (or a newer one, #52678/#49644 follow-ups) reads.
 VLLM_KEYS = frozenset({
     "kv_offload_backend", "disk_path", "disk_capacity_bytes", "disk_buffer_slots",
@@ -32,7 +36,8 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file"})
+KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file",
+                            *PERSIST_KEYS})
 # Keys that were renamed: the message names the new one.
 RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
@@ -40,6 +45,7 @@ KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 DISK_ONLY_KEYS = (
     "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
     "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file",
+    *PERSIST_KEYS,
 )
 
 _UNITS = {
@@ -127,6 +133,45 @@ def parse_choice(value: Any, name: str) -> Optional[bool]:
     raise ValueError(f"{name}={value!r}: expected on, off or auto")
 
 
+@dataclass(frozen=True)
+class PersistConfig:
+    """``persist``, ``persist_key_file``, ``persist_key_env``: checked together, the same way
+    for ``kv_connector_extra_config`` and a tier entry. The key itself is read only when
+    the pool opens (``operator_key``)."""
+
+    enabled: bool = False
+    key_file: Optional[str] = None
+    key_env: Optional[str] = None
+
+    @classmethod
+    def from_keys(cls, given: dict[str, Any], encrypt: bool) -> "PersistConfig":
+        enabled = _bool("persist", given.get("persist", False))
+        key_file, key_env = given.get("persist_key_file"), given.get("persist_key_env")
+        if key_file is not None and (not isinstance(key_file, str) or not key_file):
+            raise ValueError(f"persist_key_file={key_file!r}: expected a path to the key file")
+        if key_env is not None and (not isinstance(key_env, str) or not _ENV_NAME_RE.match(key_env)):
+            raise ValueError(f"persist_key_env={key_env!r}: expected the name of an environment variable")
+        if not enabled:
+            if key_file is not None or key_env is not None:
+                raise ValueError("persist_key_file/persist_key_env are set but persist is not true; set "
+                                 '"persist": true to keep the disk tier across restarts')
+            return cls()
+        if (key_file is None) == (key_env is None):
+            raise ValueError('"persist": true needs exactly one of persist_key_file (a file only its owner can '
+                             "read, holding a 32-byte key) or persist_key_env (an environment variable holding "
+                             "it as 64 hex digits)")
+        if not encrypt:
+            raise ValueError('"persist": true needs encryption: remove "encrypt": false (a kept file holds only '
+                             "ciphertext)")
+        return cls(True, key_file, key_env)
+
+    def operator_key(self) -> bytes:
+        """The operator's key (``persist.read_operator_key``: a one-line ``PersistError`` if unusable)."""
+        from kvoffload.persist import read_operator_key
+
+        return read_operator_key(self.key_file, self.key_env)
+
+
 def num_slots(capacity_bytes: int, slot_bytes: int) -> int:
     """Slots a capacity holds: the ONE sizing rule for scheduler and every rank (vLLM #52921)."""
     n = capacity_bytes // slot_bytes
@@ -158,6 +203,7 @@ class OffloadConfig:
     # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
     native_io: Optional[bool] = None
     prefill_file: bool = False  # write the slot file once at start-up: first stores at the rewrite rate
+    persist: PersistConfig = PersistConfig()  # keep the disk tier across restarts (persist.py)
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
@@ -199,6 +245,7 @@ class OffloadConfig:
                 kw[key] = _bool(key, extra[key])
         if "native_io" in extra:
             kw["native_io"] = parse_choice(extra["native_io"], "native_io")
+        kw["persist"] = PersistConfig.from_keys(extra, kw.get("encrypt", True))
         cfg = cls(**kw)
 
         if backend == "disk" and cfg.disk_path is None:

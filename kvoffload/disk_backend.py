@@ -10,6 +10,7 @@ and several IOs are in flight per direction (vLLM 0.33 keeps one). What one
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from kvoffload.budget import file_slots, slot_state_bytes
@@ -30,7 +32,10 @@ from kvoffload.metrics import IoMetrics
 from kvoffload.config import parse_choice
 from kvoffload.native_io import choose as choose_native
 from kvoffload.native_io import from_environment
+from kvoffload.native_io import gcm_key as native_gcm_key
+from kvoffload.native_io import wipe as wipe_native
 from kvoffload.os_calls import OsCalls
+from kvoffload.persist import IDENT_BYTES, Persist, Pool, Restored, check_keys, restorable
 from kvoffload.run import Run
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
 from kvoffload.slot_seal import make_seal
@@ -111,6 +116,7 @@ class DiskBackend:
         device_impl: Optional[Device] = None,
         native_io: Optional[bool | str] = None,
         prefill: bool = False,
+        persist: Optional[Persist] = None,
     ) -> None:
         """Create the slot file(s), staging buffers and IO threads.
 
@@ -134,6 +140,11 @@ class DiskBackend:
         - ``prefill``: write each slot file once with zeros before ``init`` returns, so a
           fresh file's first stores run at the rewrite rate (start-up pays one full write
           of the files; docs/config.md).
+        - ``persist``: keep the blocks across restarts (``persist.py``): named files at each
+          disk path (``P`` and ``P.index``), sealed under a key derived from the operator's,
+          opened and checked here (a wrong key, another model or layout, a newer format:
+          ``PersistError``, nothing changed on disk); stores then need ``launch_copy``'s
+          ``keys``, and ``restored()`` says what came back. Needs ``encrypt``.
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
@@ -161,6 +172,10 @@ class DiskBackend:
         start_timeout = _seconds("start_timeout", start_timeout, minimum=None)
         if os_calls is not None and not isinstance(os_calls, OsCalls):
             raise TypeError(f"os_calls must be an OsCalls, got {type(os_calls).__name__}")
+        if persist is not None and not isinstance(persist, Persist):
+            raise TypeError(f"persist must be a kvoffload.persist.Persist, got {type(persist).__name__}")
+        if persist is not None and not encrypt:
+            raise ValueError("persist needs encrypt=True: a kept file must hold nothing but ciphertext")
         missing = [m for m in _DEVICE_METHODS if device_impl is not None and not callable(getattr(device_impl, m, None))]
         if missing:
             raise TypeError(f"device_impl {type(device_impl).__name__} lacks {', '.join(missing)} (see device.Device)")
@@ -184,7 +199,8 @@ class DiskBackend:
                                                layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
                       for i in range(len(paths)))
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
-                     use_page_cache, num_disk_slots * slot_state_bytes(seal.name) + staging)
+                     use_page_cache, num_disk_slots * slot_state_bytes(seal.name, persist is not None) + staging,
+                     persist=persist is not None)
         native, io_path = choose_native(seal, native_io)  # the one choice, kept on the run
         dev = device_impl if device_impl is not None else make_device(device)
         run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)),
@@ -195,7 +211,12 @@ class DiskBackend:
             # finds everything made so far through self._run and shutdown() frees it.
             self._run = run
             self._join_timeout = join_timeout
-            for i, p in enumerate(paths):
+            if persist is not None:
+                run.pool = Pool(osc, persist, paths, num_disk_slots, total_block_bytes, use_page_cache,
+                                _layout_fingerprint(layout))
+                run.pool.open(run.files, max_slot_bytes=budget // num_disk_slots)
+                self._restore(run)
+            for i, p in enumerate(paths[len(run.files):], start=len(run.files)):
                 # Slot s of the whole pool lives in file s % n at index s // n.
                 run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
@@ -215,11 +236,14 @@ class DiskBackend:
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
             logger.info(
-                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s, %s",
+                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s, %s%s",
                 num_disk_slots, total_block_bytes, len(paths), threads,
                 run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
                 f"IO path {io_path}",
+                "" if run.pool is None else
+                f", persistent (epoch {run.pool.epoch}, {len(run.restored.slots)} blocks found, "
+                f"{sum(run.restored.refused.values())} refused)",
             )
         except BaseException:
             self.shutdown()
@@ -233,17 +257,66 @@ class DiskBackend:
         event_idx: int,
         events_list: list,
         wait_event: Any = None,
+        keys: Optional[Sequence[bytes]] = None,
     ) -> None:
         """Queue one job; never blocks. Appends exactly one ``(event_idx, event)``.
 
         Stores: src = device block ids, dst = slots. Loads: src = slots, dst = device
         block ids. Everything is checked before anything is queued; the event is
         appended last and completes once the job is over, also when it failed.
+        ``keys``: a persistent pool's store, the key of each block (the block hash it
+        holds, at most ``persist.MAX_KEY_BYTES``); ignored otherwise.
         """
         run = self._require_run()
         check_event_idx(event_idx, events_list)
         blocks, slots = check_job(src_blocks, dst_blocks, is_store, run.layout.num_blocks, run.num_slots)
-        run.submit(blocks, slots, is_store, event_idx, events_list, wait_event)
+        keys = check_keys(keys, len(slots)) if is_store and run.pool is not None else None
+        run.submit(blocks, slots, is_store, event_idx, events_list, wait_event, keys)
+
+    def restored(self, reserved: Sequence[int] = ()) -> Restored:
+        """A persistent pool's blocks found at init, least recently stored first (one slot per
+        key), and the records not taken, by cause; ``reserved``: slots the caller never uses."""
+        run = self._require_run()
+        if run.pool is None:
+            return Restored(np.zeros(0, np.int64), [])
+        found = run.restored
+        if not reserved:
+            return found
+        keep = ~np.isin(found.slots, np.asarray(list(reserved), np.int64))
+        refused = found.refused.copy()
+        refused["reserved"] += int((~keep).sum())
+        return Restored(found.slots[keep], [k for k, x in zip(found.keys, keep) if x], +refused)
+
+    @staticmethod
+    def _restore(run: Run) -> None:
+        """A persistent pool's records, as init found them, become the run's: the seal takes
+        the pool's key and epoch, each valid record its slot's (nonce, tag, identity)."""
+        pool = run.pool
+        run.seal.persist(pool.keys.slot, pool.epoch, pool.fingerprint, IDENT_BYTES)
+        if run.native is not None and run.gcm_key:  # the core's expanded key: the pool's now
+            old, run.gcm_key = run.gcm_key, native_gcm_key(run.native, run.seal.key)
+            wipe_native(run.native, old)
+        run.generation = np.zeros(run.num_slots, np.uint64)
+        run.seq = np.zeros(run.num_slots, np.uint64)
+        n = len(pool.records)
+        for i, fr in enumerate(pool.records):
+            local = np.flatnonzero(fr.valid)
+            slots = local * n + i
+            raw = fr.raw[local]
+            run.generation[slots], run.seq[slots] = raw["gen"], raw["seq"]
+            ident = np.zeros((len(raw), IDENT_BYTES), np.uint8)
+            ident[:, :8] = np.ascontiguousarray(raw["gen"]).view(np.uint8).reshape(-1, 8)
+            ident[:, 8] = raw["key_len"]
+            ident[:, 9:] = raw["key"]
+            nonces = ((raw["nonce_hi"].astype(object) << 64) | raw["nonce_lo"].astype(object)).tolist()
+            tags, idents = np.ascontiguousarray(raw["tag"]).tobytes(), ident.tobytes()
+            records = zip(nonces, [tags[j:j + 16] for j in range(0, len(tags), 16)],
+                          [idents[j:j + IDENT_BYTES] for j in range(0, len(idents), IDENT_BYTES)])
+            out = run.records
+            for s, rec in zip(slots.tolist(), records):
+                out[s] = rec
+        run.restored = restorable(pool.records)
+        pool.records = []  # the raw index: 128 B a slot, not needed once restored
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (then cleared)."""
@@ -353,6 +426,13 @@ def _retire(run: Run) -> None:
     IO thread to end closes the files."""
     run.signal_stop()
     run.abandon()
+
+
+def _layout_fingerprint(layout: BlockLayout) -> dict[str, Any]:
+    """What a persistent pool's slots depend on in the layout itself: how the caches' bytes
+    are packed into a slot (the caller's fingerprint names the model, dtype and rank)."""
+    packing = ",".join(f"{o}:{t.shape[1]}" for o, t in zip(layout.offsets, layout.caches))
+    return {"tensors": len(layout.offsets), "packing": hashlib.sha256(packing.encode()).hexdigest()[:16]}
 
 
 def unit_rows(io_unit_bytes: int, slot_bytes: int, file_slots: int, num_blocks: int) -> int:

@@ -235,22 +235,27 @@ class LoadLane(Lane):
         rows not delivered yet count as failed by it."""
         run = self.run
         if run.native is not None:
-            failed, read = self.read_and_open_native(unit, records, skip, rows, mv, copy, clock)
+            failed, read, bad = self.read_and_open_native(unit, records, skip, rows, mv, copy, clock)
         else:
-            failed, read = self.read_and_open_python(unit, records, skip, mv, clock)
+            failed, read, bad = self.read_and_open_python(unit, records, skip, mv, clock)
         with run.lock:
             run.bytes_read += read * self.file.slot_bytes
+        run.forget(self, unit, bad, records)
         return failed
 
     def read_and_open_native(self, unit: Unit, records: list[Any], skip: set[int], rows: Optional[torch.Tensor],
-                             mv: Optional[memoryview], copy: Any, clock: StageClock) -> tuple[set[int], int]:
-        """The unit in one GIL-free call (``native/load_unit.c``); (failed rows, rows read whole)."""
+                             mv: Optional[memoryview], copy: Any, clock: StageClock) -> tuple[set[int], int, set[int]]:
+        """The unit in one GIL-free call (``native/load_unit.c``); (failed rows, rows read whole,
+        rows that failed their check)."""
         run, n = self.run, len(unit.slots)
         lib = run.native.lib
         call = self.unit_call()
         blocks = None if run.host_blocks is None else self.block_addrs(unit)
         bufs = blocks if self.direct else self.staging_addrs(rows, n)
-        self.fill(call, unit, bufs, bufs if blocks is None else blocks)
+        idents = None
+        if getattr(run.seal, "persistent", False):
+            idents = [r[2] if r is not None else bytes(run.seal.ident_bytes) for r in records]
+        self.fill(call, unit, bufs, bufs if blocks is None else blocks, idents)
         call.status[list(skip)] = lib.KVO_SKIP
         if run.gcm_key:
             live = [j for j in range(n) if j not in skip]
@@ -259,23 +264,23 @@ class LoadLane(Lane):
         self.call_native(call, unit, None if copy is None else copy.c, self.span(unit, mv), clock)
         status = call.status[:n]
         read = int(((status == lib.KVO_OK) | (status == lib.KVO_INTEGRITY)).sum())
-        return skip | self.native_failures(call, unit), read
+        return skip | self.native_failures(call, unit), read, set(np.flatnonzero(status == lib.KVO_INTEGRITY).tolist())
 
     def read_and_open_python(self, unit: Unit, records: list[Any], skip: set[int], mv: Optional[memoryview],
-                             clock: StageClock) -> tuple[set[int], int]:
+                             clock: StageClock) -> tuple[set[int], int, set[int]]:
         """``read_and_open_native``'s calls and outcomes, slot by slot in Python."""
         run, n = self.run, len(unit.slots)
         blocks = None if run.host_blocks is None else self.blocks(unit)
         span = self.span(unit, mv)
-        failed, read = set(skip), 0
+        failed, read, checks = set(skip), 0, set()
         gate = run.gate
         for j0, j1 in units_of(unit.local, skip=skip):
             if gate.closing:  # shutdown began: no new file call
-                return self.cancel_rows(range(j0, n), failed), read
+                return self.cancel_rows(range(j0, n), failed), read, checks
             bad = self.transfer(span, unit, j0, j1)
             clock.lap("io")
             if not gate.enter():  # back from a hang after shutdown ended the job: nothing written
-                return self.cancel_rows(range(j0, n), failed | bad), read
+                return self.cancel_rows(range(j0, n), failed | bad), read, checks
             try:
                 if self.direct:
                     for j in bad:  # a failed or short read may have written part of the block
@@ -283,11 +288,13 @@ class LoadLane(Lane):
                 failed |= bad
                 read += j1 - j0 - len(bad)
                 # Opened right after its read, while the rows are still hot in the cache.
-                failed |= self.open_rows(unit, range(j0, j1), bad, records, None if self.direct else mv, blocks)
+                opened = self.open_rows(unit, range(j0, j1), bad, records, None if self.direct else mv, blocks)
+                failed |= opened
+                checks |= opened
             finally:
                 gate.leave()
             clock.lap("seal")
-        return failed, read
+        return failed, read, checks
 
     def cancel_rows(self, rows: Iterable[int], failed: set[int]) -> set[int]:
         """Rows not delivered because shutdown began (``failed`` ones aside): they fail, as "closing"."""

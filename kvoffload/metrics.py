@@ -74,6 +74,12 @@ _DEFS = (
               "Prompt tokens whose KV was loaded from disk and used; a hit whose load failed is not counted."),
     MetricDef("vllm:kvoffload_recomputed_tokens_total", "counter", (),
               "Prompt tokens offered as a disk hit whose load failed, so vLLM recomputed them."),
+    MetricDef("vllm:kvoffload_restored_blocks_total", "counter", (),
+              "Blocks a persistent disk tier found in its index at start-up and offers as hits again."),
+    MetricDef("vllm:kvoffload_refused_blocks_total", "counter", ("cause",),
+              "Index records a persistent disk tier found at start-up and did not restore, by cause: checksum (a "
+              "torn or damaged record), duplicate (a newer slot holds the same block), rank_mismatch (the ranks' "
+              "files disagree on the slot), reserved (vLLM's null block), capacity (beyond the pool's slots)."),
     MetricDef("vllm:kvoffload_info", "gauge", INFO_LABELS,
               "kvoffload's disk tier per rank; value 1. capacity_bytes: the slot files' budget; staging_bytes: the "
               "host staging its IO threads allocated; io: o_direct or page_cache; io_path: native (the IO core built "
@@ -81,7 +87,7 @@ _DEFS = (
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in _DEFS}
 BYTES, BLOCKS, FAILED, JOB_SECONDS, UNIT_IO_SECONDS, QUEUED, BUSY, SLOTS_USED, SLOTS_FREE, HIT_TOKENS, \
-    RECOMPUTED_TOKENS, INFO = (d.name for d in _DEFS)
+    RECOMPUTED_TOKENS, RESTORED_BLOCKS, REFUSED_BLOCKS, INFO = (d.name for d in _DEFS)
 
 
 class Histogram:
@@ -322,10 +328,15 @@ class HitMetrics:
         self.hit_tokens = 0
         self.recomputed_tokens = 0
         self._sent: tuple[int, int, Optional[tuple[int, int]]] = (0, 0, None)
+        self._restore: Optional[tuple[int, Mapping[str, int]]] = None  # reported once
 
     def load_ended(self, served: int, recomputed: int) -> None:
         self.hit_tokens += served
         self.recomputed_tokens += recomputed
+
+    def restored(self, blocks: int, refused: Mapping[str, int]) -> None:
+        """What a persistent tier's start-up restored and refused, by cause (sent with the next take)."""
+        self._restore = (blocks, dict(refused))
 
     def take(self, slots_used: int, slots_capacity: int) -> Optional[dict[str, Any]]:
         """The payload of what changed since the last call (None: nothing did)."""
@@ -338,6 +349,12 @@ class HitMetrics:
         if (slots_used, slots_capacity) != slots:
             put(p, SLOTS_USED, (), slots_used)
             put(p, SLOTS_FREE, (), slots_capacity - slots_used)
+        if self._restore is not None:
+            blocks, refused = self._restore
+            put(p, RESTORED_BLOCKS, (), blocks)
+            for cause, n in sorted(refused.items()):
+                put(p, REFUSED_BLOCKS, (cause,), n)
+            self._restore = None
         self._sent = (self.hit_tokens, self.recomputed_tokens, (slots_used, slots_capacity))
         return p if p["data"] else None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import os
 from collections.abc import Sequence
 from typing import Optional
@@ -98,6 +99,18 @@ class OsCalls:
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         return os.preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        """Make the file's data (and the metadata needed to read it) durable."""
+        os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        """Make a file, or a directory's entries (a directory fd), durable."""
+        os.fsync(fd)
+
+    def flock(self, fd: int, operation: int) -> None:
+        """flock(2): ``fcntl.LOCK_EX | fcntl.LOCK_NB`` raises ``BlockingIOError`` when held."""
+        fcntl.flock(fd, operation)
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)

@@ -29,6 +29,7 @@ from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
 from kvoffload.metrics import IoMetrics
 from kvoffload.native_io import MAX_RUN_SLOTS, NativeCore, UnitCall
 from kvoffload.os_calls import OsCalls, moved
+from kvoffload.persist import IDENT_BYTES, Pool, Restored, ident_bytes
 from kvoffload.slot_file import SlotFile
 from kvoffload.slot_seal import TAG_BYTES, SlotSeal
 
@@ -70,6 +71,8 @@ class Unit:
     wait_event: Any = None
     io_seconds: float = 0.0  # in its pwritev/preadv calls, for the per-unit latency metric
     parts: tuple["Unit", ...] = ()  # a batch: queued units moved in one call (Lane.gather)
+    # A persistent pool's store: each slot's identity (generation and block key), set at submit.
+    idents: Optional[list[bytes]] = None
 
 
 class RateLimitedLog:
@@ -221,14 +224,16 @@ class Lane:
             call = self._calls.call = UnitCall(self.run.native, self.rows, self.run.seal.aad_bytes)
         return call
 
-    def fill(self, call: UnitCall, unit: "Unit", bufs: np.ndarray, payloads: np.ndarray) -> None:
+    def fill(self, call: UnitCall, unit: "Unit", bufs: np.ndarray, payloads: np.ndarray,
+             idents: Optional[list[bytes]] = None) -> None:
         """A native call's per-slot arrays for ``unit``, row by row: file offsets, buffers,
-        payloads, what each slot is authenticated to, and the cuts between a batch's units."""
+        payloads, what each slot is authenticated to (``idents``: a persistent pool's
+        identities), and the cuts between a batch's units."""
         n = len(unit.slots)
         call.file_off[:n] = np.asarray(unit.local, np.int64) * self.file.slot_bytes
         call.buf[:n] = bufs
         call.payload[:n] = payloads
-        call.aad[:n, : self.run.seal.aad_bytes] = self.run.seal.aad_array(unit.slots)
+        call.aad[:n, : self.run.seal.aad_bytes] = self.run.seal.aad_array(unit.slots, idents)
         call.status[:n] = self.run.native.lib.KVO_OK
         call.cut[:n] = 0
         if unit.parts:  # a batch: no run of file IO spans two of its units
@@ -409,8 +414,9 @@ class Lane:
     def _batch(parts: list[Unit]) -> Unit:
         if len(parts) == 1:
             return parts[0]
+        idents = None if parts[0].idents is None else [x for p in parts for x in p.idents]
         return Unit(parts[0].job, [b for p in parts for b in p.block_ids], [s for p in parts for s in p.slots],
-                    [i for p in parts for i in p.local], parts=tuple(parts))
+                    [i for p in parts for i in p.local], parts=tuple(parts), idents=idents)
 
     def refuse_if_closing(self, unit: Unit) -> bool:
         """A unit dequeued after shutdown began or the device failed ends as failed, without IO."""
@@ -474,6 +480,12 @@ class Run:
         self.lanes: dict[bool, list[Lane]] = {True: [], False: []}  # is_store -> lanes
         self.pinned: list[torch.Tensor] = []
         self.records: list[Any] = [None] * num_slots  # per slot: its seal record, None = invalid
+        # A persistent pool (persist.Pool, set by init), and per slot the generation of its
+        # latest store and the LRU sequence of its record.
+        self.pool: Optional[Pool] = None
+        self.generation: Optional[np.ndarray] = None
+        self.seq: Optional[np.ndarray] = None
+        self.restored: Optional[Restored] = None  # what init found in the pool (DiskBackend.restored)
         # Per slot, the job of the latest store launched to it: only that store may publish
         # the slot's record, so a slot whose latest store failed never loads an older copy.
         self.latest_store = np.full(num_slots, -1, np.int64)
@@ -531,8 +543,9 @@ class Run:
     # -- jobs -------------------------------------------------------------------
 
     def submit(self, blocks: list[int], slots: list[int], is_store: bool, event_idx: int, events_list: list,
-               wait_event: Any) -> None:
-        """Split a checked job into units and queue them; the event is appended last."""
+               wait_event: Any, keys: Optional[list[bytes]] = None) -> None:
+        """Split a checked job into units and queue them; the event is appended last.
+        ``keys``: a persistent pool's store, each block's key (``persist.check_keys``)."""
         if self.forked:
             raise RuntimeError(
                 "kvoffload DiskBackend used in a fork()ed child: its IO threads live in the parent; "
@@ -565,6 +578,8 @@ class Run:
                     self.latest_store[slots] = job.job_id
                     for s in slots:
                         self.records[s] = None
+                    if keys is not None:
+                        self._identify(units, dict(zip(slots, keys)))
                 # Registered before any unit is queued: whatever happens from here on
                 # (an interrupt, a shutdown in another thread), shutdown ends it.
                 self.open_jobs[job.job_id] = job
@@ -584,22 +599,75 @@ class Run:
                     lane.finish(unit, failed=set(range(len(unit.slots))))
             raise
 
-    def publish(self, unit: Unit, records: list[Any], failed: set[int]) -> None:
+    def _identify(self, units: list[tuple["Lane", Unit]], key_of: dict[int, bytes]) -> None:
+        """A persistent store's identities: one generation more per slot (under the lock)."""
+        for _, unit in units:
+            unit.idents = []
+            for s in unit.slots:
+                self.generation[s] += 1
+                unit.idents.append(ident_bytes(int(self.generation[s]), key_of[s]))
+
+    def publish(self, unit: Unit, records: list[Any], failed: set[int]) -> list[tuple[int, Any, int]]:
         """A store unit's outcome, slot by slot: a slot's record is set only by the latest
         store launched to it, or cleared where that store failed. An earlier store ending
-        later changes nothing (if its bytes landed last, they fail the record's check)."""
+        later changes nothing (if its bytes landed last, they fail the record's check).
+        Returns what it applied, ``(row, record or None, LRU sequence)``: a persistent
+        pool's index gets the same (``write_index``)."""
         jobs = [p.job.job_id for p in unit.parts for _ in p.slots] if unit.parts else None
         job = unit.job.job_id
-        latest, own = self.latest_store, self.records
-        # No lock (a contended one costs an IO thread a GIL hand-over per unit). A store
-        # launched to the slot meanwhile sets latest_store first, then clears the record
-        # (submit): set, then look again, and the newer store's clearing always comes last.
-        for j, s in enumerate(unit.slots):
-            mine = job if jobs is None else jobs[j]
-            if latest[s] == mine:
-                own[s] = None if j in failed else records[j]
-                if latest[s] != mine:
-                    own[s] = None
+        applied: list[tuple[int, Any, int]] = []
+        if self.pool is None:
+            latest, own = self.latest_store, self.records
+            # No lock (a contended one costs an IO thread a GIL hand-over per unit). A store
+            # launched to the slot meanwhile sets latest_store first, then clears the record
+            # (submit): set, then look again, and the newer store's clearing always comes last.
+            for j, s in enumerate(unit.slots):
+                mine = job if jobs is None else jobs[j]
+                if latest[s] == mine:
+                    own[s] = None if j in failed else records[j]
+                    if latest[s] != mine:
+                        own[s] = None
+            return applied
+        with self.lock:  # a persistent pool: the record and its LRU sequence together
+            for j, s in enumerate(unit.slots):
+                if self.latest_store[s] == (job if jobs is None else jobs[j]):
+                    self.records[s] = rec = None if j in failed else records[j]
+                    seq = 0
+                    if rec is not None:
+                        seq = self.seq[s] = self.pool.next_seq
+                        self.pool.next_seq += 1
+                    applied.append((j, rec, seq))
+        return applied
+
+    def write_index(self, lane: "Lane", unit: Unit, rows: list[tuple[int, Any, int]]) -> None:
+        """A persistent pool's index records for ``rows`` of ``unit`` (``publish``'s): the
+        record, or an empty one (a failed store, or a block that failed its check). Outside
+        the run's lock: an index write may be slow or hang like any other."""
+        pool = self.pool
+        if pool is None or not rows:
+            return
+        recs = [r for _, r, _ in rows]
+        idents = [r[2] if r is not None else bytes(IDENT_BYTES) for r in recs]
+        failed = pool.write(lane.path, np.asarray([unit.local[j] for j, _, _ in rows], np.int64),
+                            np.asarray([int.from_bytes(x[:8], "little") for x in idents], np.uint64),
+                            np.asarray([seq for _, _, seq in rows], np.uint64),
+                            [r[0] if r is not None else 0 for r in recs],
+                            [r[1] if r is not None else bytes(TAG_BYTES) for r in recs],
+                            [x[9 : 9 + x[8]] for x in idents])
+        if failed:
+            self.log.warning("index", "kvoffload: writing the index records of slots %s of %s failed; those blocks "
+                             "serve now but will not after a restart", failed, lane.file.path)
+
+    def forget(self, lane: "Lane", unit: Unit, rows: set[int], records: list[Any]) -> None:
+        """A persistent pool's blocks that failed their check: out of the run and of the index
+        (a restart would offer them again), unless a store has replaced them meanwhile."""
+        if self.pool is None or not rows:
+            return
+        with self.lock:
+            gone = [j for j in sorted(rows) if records[j] is not None and self.records[unit.slots[j]] is records[j]]
+            for j in gone:
+                self.records[unit.slots[j]] = None
+        self.write_index(lane, unit, [(j, None, 0) for j in gone])
 
     def record_failures(self, is_store: bool, unit: Unit, failed: set[int]) -> None:
         with self.lock:
@@ -747,6 +815,8 @@ class Run:
                 self.pinned.pop()
             for f in self.files:
                 f.close(self.osc, discard=not self.forked)
+            if self.pool is not None:
+                self.pool.close(sync=not self.forked)
             if self.gcm_key:  # no thread can seal any more: the key need not stay in memory
                 native_io.wipe(self.native, self.gcm_key)
 

@@ -71,6 +71,8 @@ class SlotFile:
     # closes it, so a close cut short by an interrupt is finished by the next close,
     # and a finished one is never repeated (a second close could hit a reused number).
     held: list[int] = field(default_factory=list, repr=False)
+    # A persistent data file (``persist``): named, and kept when closed.
+    kept: bool = False
 
     @property
     def size(self) -> int:
@@ -81,11 +83,15 @@ class SlotFile:
 
         Punching the whole file out frees its space at once and, on a file system
         mounted with ``discard`` (or an SSD that honours it), tells the drive the
-        blocks hold nothing; the data is encrypted either way.
+        blocks hold nothing; the data is encrypted either way. A kept file is synced
+        instead (fdatasync, best effort), so a clean exit survives a power loss.
         """
         if not self.held:
             return
-        if discard:
+        if self.kept:
+            if discard:  # not from a fork()ed child's copy: the parent still writes
+                sync_quietly(osc, self.fd, self.path)
+        elif discard:
             try:
                 osc.punch_hole(self.fd, 0, self.size)
             except OSError as e:
@@ -314,6 +320,15 @@ def _holds_data(osc: OsCalls, dir_fd: int, directory: str, name: str) -> bool:
                    "hold someone's data (vLLM's own disk backend leaves plaintext KV at disk_path); remove it "
                    "yourself if nothing needs it", path, st.st_size)
     return True
+
+
+def sync_quietly(osc: OsCalls, fd: int, what: str) -> None:
+    """fdatasync, logging a failure: a kept file that could not be synced may lose its newest
+    blocks to a power loss, and those then fail their checks; nothing else depends on it."""
+    try:
+        osc.fdatasync(fd)
+    except OSError as e:
+        logger.warning("kvoffload: syncing %s failed: %s", what, e.strerror or e)
 
 
 def _unlink_quietly(osc: OsCalls, name: str, dir_fd: int) -> None:

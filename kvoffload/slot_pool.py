@@ -192,6 +192,19 @@ class SlotPool:
         for slot in cached:
             self._queue[slot] = None
 
+    def restore(self, entries: Sequence[tuple[int, BlockHash]]) -> None:
+        """A fresh pool takes the blocks a persistent tier found at start-up, least recently
+        stored first: each cached in its slot, queued behind the empty slots in that order
+        (the next stores evict the oldest), as if they had just been stored in it."""
+        if self._slot_of or self._refs:
+            raise RuntimeError("SlotPool.restore: only a fresh pool can be restored")
+        for slot, h in entries:
+            if not 0 <= slot < self.num_slots or slot in self._hash_of or h in self._slot_of:
+                raise ValueError(f"SlotPool.restore: slot {slot} for {h!r} is out of range or given twice")
+            self._slot_of[h] = slot
+            self._hash_of[slot] = h
+            self._queue.move_to_end(slot)
+
     def check(self) -> bool:
         """Every slot is queued or held, never both; cached blocks sit in one of the two.
 

@@ -42,14 +42,18 @@ class SlotSeal(Protocol):
     disk_form_is_payload: bool
     aad_bytes: int  # what each slot is authenticated to, in bytes (0: nothing)
 
-    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
-        """Each slot's associated data, one row of ``aad_bytes`` per slot (the native core's form)."""
+    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
+        """Each slot's associated data, one row of ``aad_bytes`` per slot (the native core's form);
+        ``idents``: each slot's identity where the seal is persistent (``AesGcmSeal.persist``)."""
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None,
+             ident: bytes = b"") -> Any:
         """Write the disk form of the payload to ``row[:payload_bytes]``; return its record.
 
         The payload is ``row``'s own bytes, or ``src`` when given. ``row`` may be
         followed by 16 more bytes of the same buffer: they are restored before return.
+        ``ident``: what the slot holds, for a persistent seal (authenticated, and kept in
+        the record).
         """
 
     def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
@@ -71,13 +75,14 @@ class ChecksumSeal:
     disk_form_is_payload = True
     aad_bytes = 0
 
-    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
+    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
         return np.zeros((len(slots), 0), np.uint8)
 
     def digest(self, payload: memoryview) -> Any:
         return xxhash.xxh3_64_intdigest(payload)
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None,
+             ident: bytes = b"") -> Any:
         if src is not None:
             _copy(row[:payload_bytes], src)
         return self.digest(row[:payload_bytes])
@@ -108,69 +113,111 @@ class ValiditySeal(ChecksumSeal):
 
 class AesGcmSeal:
     """AES-128-GCM per slot: a fresh 96-bit nonce per write, the slot index as
-    associated data (a ciphertext moved to another slot fails to open)."""
+    associated data (a ciphertext moved to another slot fails to open).
+
+    ``persist`` turns it into a persistent pool's seal: the key derived from the
+    operator's, the epoch in every nonce's top 4 bytes, and the associated data the
+    pool's fingerprint, the slot and the slot's identity (generation and block key),
+    which the record then carries as its third field."""
 
     name = "aes-gcm"
     label = "encrypted (AES-GCM)"
     disk_form_is_payload = False
-    aad_bytes = 8  # the slot index (_aad)
 
     def __init__(self) -> None:
+        # The key never leaves process memory: it is held here, for the Python path's
+        # cipher and for the native core's (expanded by it, wiped at close), never written anywhere.
+        self._set_key(os.urandom(16))
+        # One counter for every write under this key, on either path: a nonce is never reused.
+        self._nonce_lock = threading.Lock()
+        self._next_nonce = 1
+        self._epoch = 0  # the nonces' top 32 bits (persistent pools: durable before use)
+        self._prefix = b""  # associated data before the slot index: the pool's fingerprint
+        self.ident_bytes = 0  # associated data after it: the slot's identity (persistent only)
+        self.aad_bytes = 8  # the slot index (_aad)
+
+    def _set_key(self, key: bytes) -> None:
         try:
             from cryptography.hazmat.primitives.ciphers import algorithms
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         except ImportError as e:  # pragma: no cover - a dependency of the package
             raise RuntimeError(f"encryption needs the 'cryptography' package (>= 50): {e}") from e
-        # The key never leaves process memory: it is held here, for the Python path's
-        # cipher and for the native core's (expanded by it, wiped at close), never written anywhere.
-        self.key = os.urandom(16)
-        self._aead = AESGCM(self.key)
-        self._aes = algorithms.AES(self.key)  # the same key, for the streaming decryptor of open_block
-        # One counter for every write under this key, on either path: a nonce is never reused.
-        self._nonce_lock = threading.Lock()
-        self._next_nonce = 1
+        self.key = key
+        self._aead = AESGCM(key)
+        self._aes = algorithms.AES(key)  # the same key, for the streaming decryptor of open_block
+
+    def persist(self, key: bytes, epoch: int, fingerprint: bytes, ident_bytes: int) -> None:
+        """Seal for a persistent pool from now on (before any slot is sealed): ``key`` derived
+        from the operator's, nonces ``epoch << 64 | counter`` (the epoch made durable by the
+        caller), and the associated data ``fingerprint || slot || ident``."""
+        self._set_key(key)
+        with self._nonce_lock:
+            self._epoch, self._next_nonce = epoch, 1
+        self._prefix, self.ident_bytes = fingerprint, ident_bytes
+        self.aad_bytes = len(fingerprint) + 8 + ident_bytes
+
+    @property
+    def persistent(self) -> bool:
+        return self.ident_bytes > 0
 
     def reserve_nonces(self, n: int) -> int:
         """The first of ``n`` fresh nonces (a unit's stores take theirs in one call)."""
         with self._nonce_lock:
             first = self._next_nonce
             self._next_nonce += n
-        return first
+            if self._next_nonce >= 2**64:  # never wraps into another epoch's nonces
+                raise RuntimeError("kvoffload: this run sealed 2**64 slots; restart it for a new epoch")
+        return first | self._epoch << 64
 
-    def aad_array(self, slots: Sequence[int]) -> np.ndarray:
-        """``_aad`` of each slot (a test holds the two forms equal)."""
-        return np.asarray(slots, "<u8").view(np.uint8).reshape(-1, 8)
+    def aad(self, slot: int, ident: bytes = b"") -> bytes:
+        """What slot ``slot`` holding ``ident`` is authenticated to."""
+        return self._prefix + _aad(slot) + ident
+
+    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
+        """``aad`` of each slot (a test holds the two forms equal)."""
+        index = np.asarray(slots, "<u8").view(np.uint8).reshape(-1, 8)
+        if not self.persistent:
+            return index
+        out = np.empty((len(index), self.aad_bytes), np.uint8)
+        out[:, : len(self._prefix)] = np.frombuffer(self._prefix, np.uint8)
+        out[:, len(self._prefix) : len(self._prefix) + 8] = index
+        out[:, len(self._prefix) + 8 :] = np.frombuffer(b"".join(idents), np.uint8).reshape(len(index), -1)
+        return out
 
     @staticmethod
     def nonce_array(nonces: Sequence[int]) -> np.ndarray:
         """``_nonce`` of each nonce, one row of 12 bytes each (a test holds the two forms equal)."""
         out = np.zeros((len(nonces), 12), np.uint8)
-        out[:, :8] = np.asarray(nonces, "<u8").view(np.uint8).reshape(-1, 8)
+        low = [x & (2**64 - 1) for x in nonces]
+        out[:, :8] = np.asarray(low, "<u8").view(np.uint8).reshape(-1, 8)
+        out[:, 8:] = np.asarray([x >> 64 for x in nonces], "<u4").view(np.uint8).reshape(-1, 4)
         return out
 
-    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None) -> Any:
+    def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None,
+             ident: bytes = b"") -> Any:
         n = payload_bytes
         nonce = self.reserve_nonces(1)
         # encrypt_into writes ciphertext || tag: the tag lands in the 16 bytes after
         # the payload (padding, the next row, or the buffer's spare tail), which are
         # put back once the tag is read out.
         saved = bytes(row[n : n + TAG_BYTES])
-        self._aead.encrypt_into(_nonce(nonce), row[:n] if src is None else src, _aad(slot), row[: n + TAG_BYTES])
+        self._aead.encrypt_into(_nonce(nonce), row[:n] if src is None else src, self.aad(slot, ident),
+                                row[: n + TAG_BYTES])
         tag = bytes(row[n : n + TAG_BYTES])
         row[n : n + TAG_BYTES] = saved
-        return nonce, tag
+        return (nonce, tag, ident) if self.persistent else (nonce, tag)
 
     def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
              dst: Optional[memoryview] = None) -> bool:
         from cryptography.exceptions import InvalidTag
 
         n = payload_bytes
-        nonce, tag = record
+        nonce, tag = record[:2]
         saved = bytes(row[n : n + TAG_BYTES])
         row[n : n + TAG_BYTES] = tag
         out = row[:n] if dst is None else dst
         try:
-            self._aead.decrypt_into(_nonce(nonce), row[: n + TAG_BYTES], _aad(slot), out)
+            self._aead.decrypt_into(_nonce(nonce), row[: n + TAG_BYTES], self._record_aad(slot, record), out)
             return True
         except InvalidTag:
             # decrypt_into has already written the unverified plaintext: wipe it where
@@ -189,7 +236,7 @@ class AesGcmSeal:
         # block are the next block's (another chunk, maybe being read): the streaming
         # decryptor takes the tag from the record instead, and checks it in finalize.
         # Same key, nonce, associated data and tag as seal: any sealed slot opens here.
-        nonce, tag = record
+        nonce, tag = record[:2]
         n = len(block)
         # update_into's output must hold len(data) + block size - 1 bytes: len(data) + 15 for
         # AES's 16 (50.x counts GCM's block size as 1): all but the last 16 bytes decrypt in
@@ -199,7 +246,7 @@ class AesGcmSeal:
         ok = False
         try:
             d = Cipher(self._aes, modes.GCM(_nonce(nonce), tag)).decryptor()
-            d.authenticate_additional_data(_aad(slot))
+            d.authenticate_additional_data(self._record_aad(slot, record))
             if body:
                 d.update_into(block[:body], block)
             d.update_into(block[body:], tail)
@@ -212,6 +259,10 @@ class AesGcmSeal:
             if not ok:  # the plaintext is written before the tag is checked: never keep it
                 zero(block)
         return ok
+
+
+    def _record_aad(self, slot: int, record: Any) -> bytes:
+        return self.aad(slot, record[2] if len(record) > 2 else b"")
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:

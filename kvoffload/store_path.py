@@ -79,9 +79,13 @@ class StoreLane(Lane):
             records, failed = self.store_native(unit, rows, mv, copy, clock)
         else:
             records, failed = self.store_python(unit, mv, clock)
-        run.publish(unit, records, failed)
+        applied = run.publish(unit, records, failed)
         with run.lock:
             run.bytes_written += (n - len(failed)) * f.slot_bytes
+        # After the data write returned: a crash in between leaves the old record, whose
+        # check the new bytes fail (one recompute after a restart, never wrong KV).
+        run.write_index(self, unit, applied)
+        clock.lap("io")
         return failed
 
     def store_native(self, unit: Unit, rows: Optional[torch.Tensor], mv: Optional[memoryview], copy: Any,
@@ -92,12 +96,17 @@ class StoreLane(Lane):
         call = self.unit_call()
         blocks = None if run.host_blocks is None else self.block_addrs(unit)
         bufs = blocks if self.direct else self.staging_addrs(rows, n)
-        self.fill(call, unit, bufs, bufs if blocks is None else blocks)
+        self.fill(call, unit, bufs, bufs if blocks is None else blocks, unit.idents)
         if run.gcm_key:
             first = run.seal.reserve_nonces(n)
             call.nonce[:n] = run.seal.nonce_array(range(first, first + n))
         self.call_native(call, unit, None if copy is None else copy.c, self.span(unit, mv), clock)
-        records = [(first + j, call.tag[j].tobytes()) for j in range(n)] if run.gcm_key else [True] * n
+        if not run.gcm_key:
+            records: list[Any] = [True] * n
+        elif unit.idents is None:
+            records = [(first + j, call.tag[j].tobytes()) for j in range(n)]
+        else:
+            records = [(first + j, call.tag[j].tobytes(), unit.idents[j]) for j in range(n)]
         return records, self.native_failures(call, unit)
 
     def store_python(self, unit: Unit, mv: Optional[memoryview], clock: StageClock) -> tuple[list[Any], set[int]]:
@@ -109,14 +118,15 @@ class StoreLane(Lane):
         failed: set[int] = set()
         blocks = None if run.host_blocks is None else self.blocks(unit)
         span = self.span(unit, mv)
+        idents = unit.idents or [b""] * n
         for j0, j1 in units_of(unit.local):
             # Sealed right before its write, while the rows are still hot in the cache.
             for j in range(j0, j1):
                 if self.direct:  # the disk form is the block itself: seal only reads it
-                    records[j] = run.seal.seal(unit.slots[j], blocks[j], payload)
+                    records[j] = run.seal.seal(unit.slots[j], blocks[j], payload, ident=idents[j])
                 else:
                     src = None if blocks is None else blocks[j]
-                    records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload, src)
+                    records[j] = run.seal.seal(unit.slots[j], mv[j * f.slot_bytes :], payload, src, idents[j])
             clock.lap("seal")
             failed |= self.transfer(span, unit, j0, j1)
             clock.lap("io")

@@ -35,14 +35,17 @@ What changes against vLLM's own connector (same keys, same behaviour otherwise):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import logging
+import os
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
-from kvoffload import metrics
+from kvoffload import metrics, persist
 from kvoffload.config import OffloadConfig, rank_disk_path
 from kvoffload.os_calls import OsCalls
 from kvoffload.vllm_version import SUPPORTED_TEXT, check_vllm
@@ -188,6 +191,59 @@ def offload_regions(kv_cache_config: Any, kv_caches: dict[str, torch.Tensor]) ->
     return regions
 
 
+# vLLM's prefix-caching hashes whose first block is seeded at random in every process
+# unless PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py, init_none_hash; 0.32 and 0.33).
+_RANDOM_SEEDED_HASHES = ("xxhash", "xxhash_cbor")
+# num_tokens of a block key that has none (vLLM's primary hash of a full block may carry None).
+_NO_TOKENS = 2**32 - 1
+
+
+def check_stable_hashes(vllm_config: Any) -> None:
+    """Refuse persistence where vLLM's block hashes change on every start: nothing stored
+    could ever be found again (and the tier would fill with unreachable blocks)."""
+    algo = getattr(getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", "sha256")
+    if algo in _RANDOM_SEEDED_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        raise ValueError(
+            f"kvoffload: \"persist\": true needs block hashes that survive a restart, but prefix_caching_hash_algo="
+            f"{algo!r} seeds them at random in every process unless PYTHONHASHSEED is set; use "
+            "--prefix-caching-hash-algo sha256 (vLLM's default) or sha256_cbor, or set PYTHONHASHSEED to one fixed "
+            "value for every vLLM process")
+
+
+def fingerprint(vllm_config: Any, regions: dict[str, torch.Tensor], dp: int, rank: int) -> dict[str, Any]:
+    """What a rank's stored KV depends on besides the tokens: a file written under another
+    fingerprint is refused at start-up (and its blocks would fail their tags)."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    shapes = ";".join(f"{n}:{tuple(t.shape)}:{t.stride(0)}:{t.dtype}" for n, t in regions.items())
+    return {"model": str(mc.model), "revision": mc.revision, "dtype": str(mc.dtype),
+            "quantization": mc.quantization, "kv_cache_dtype": str(cc.cache_dtype), "block_size": cc.block_size,
+            "regions": len(regions), "region_shapes": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "dp_rank": dp, "rank": rank, "world_size": pc.world_size,
+            "tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": pc.pipeline_parallel_size}
+
+
+def block_key(block: Any) -> bytes:
+    """What a persistent tier stores a block under: vLLM's block hash with its group id, and
+    the tokens it covers (what ``BlockPool._insert_block_hash`` takes back at restart)."""
+    n = block.block_hash_num_tokens
+    return block.block_hash + (_NO_TOKENS if n is None else n).to_bytes(4, "big")
+
+
+def seed_pool(pool: Any, entries: Sequence[tuple[int, bytes]]) -> None:
+    """Put restored blocks into vLLM's offload ``BlockPool``: each slot cached under its hash,
+    and the free queue as vLLM's own would be, empty slots first, then the cached ones least
+    recently stored first (the next store evicts the oldest)."""
+    blocks = []
+    for slot, key in entries:
+        n = int.from_bytes(key[-4:], "big")
+        block = pool.blocks[slot]
+        pool._insert_block_hash(key[:-4], block, None if n == _NO_TOKENS else n)
+        blocks.append(block)
+    for block in blocks:
+        pool.free_block_queue.remove(block)
+    pool.free_block_queue.append_n(blocks)
+
+
 def _build_connector_class() -> type:
     check_vllm("kvoffload.vllm")
     try:
@@ -322,12 +378,17 @@ def _build_connector_class() -> type:
 
         def _init_disk_mode(self, unique_gpu_caches, total_bytes_per_block, device) -> None:
             assert self.disk_path is not None
-            self.rank_path = rank_disk_path(self.disk_path, *_ranks(self.vllm_config))
+            ranks = _ranks(self.vllm_config)
+            self.rank_path = rank_disk_path(self.disk_path, *ranks)
+            kept = None
+            if self.offload.persist.enabled:
+                kept = persist.Persist(self.offload.persist.operator_key(),
+                                       fingerprint(self.vllm_config, unique_gpu_caches, *ranks))
             backend = DiskBackend()
             backend.init(
                 unique_gpu_caches, device, self.load_stream, self.store_stream, self.rank_path,
                 self.num_cpu_blocks, total_bytes_per_block, self.disk_buffer_slots,
-                self.use_page_cache, report_load_errors=True, os_calls=self.os_calls,
+                self.use_page_cache, report_load_errors=True, os_calls=self.os_calls, persist=kept,
                 **self.offload.backend_kwargs(),
             )
             self._backend = backend
@@ -347,13 +408,22 @@ def _build_connector_class() -> type:
                 super().wait_for_save()
                 return
             self._store_event_of.update(dict.fromkeys(md.store_cpu_blocks, md.store_event))
+            keys = getattr(md, "kvoffload_store_keys", None)
+            wait = None
             if self.device is not None and self.device.type == "cuda":
-                super().wait_for_save()  # orders the store after a compute-done CUDA event
-                return
+                if keys is None:
+                    super().wait_for_save()  # orders the store after a compute-done CUDA event
+                    return
+                # vLLM's own ordering (#45704), with the blocks' keys for the persistent tier.
+                if self._store_compute_done is None:
+                    self._store_compute_done = torch.Event()
+                self._store_compute_done.record(torch.cuda.current_stream())
+                wait = self._store_compute_done
             # Host caches: the forward wrote them synchronously before this runs, so
             # there is nothing to wait for (and vLLM's event is a CUDA event).
             self._backend.launch_copy(md.store_gpu_blocks, md.store_cpu_blocks, is_store=True,
-                                      event_idx=md.store_event, events_list=self._store_events)
+                                      event_idx=md.store_event, events_list=self._store_events, wait_event=wait,
+                                      keys=keys)
 
         def take_load_errors(self) -> set[int]:
             """Device blocks whose load failed since the last call; their slots are kept
@@ -416,6 +486,8 @@ def _build_connector_class() -> type:
             extra = dict((ktc.kv_connector_extra_config if ktc is not None else None) or {})
             cfg = OffloadConfig.from_extra_config(extra)
             self.offload = cfg
+            if cfg.disk_mode and cfg.persist.enabled:
+                check_stable_hashes(vllm_config)
             self._kvoffload_num_slots: int | None = None
             vllm_extra = cfg.normalized_extra(extra)
             # The pool size is kvoffload's (the rule every rank applies), and vLLM's
@@ -452,6 +524,8 @@ def _build_connector_class() -> type:
             # rank) while a load holding them is still in flight.
             self._hits = metrics.HitMetrics()
             self._failed_loading: set[int] = set()
+            if cfg.disk_mode and cfg.persist.enabled and self.scheduler_manager is not None:
+                self._restore(vllm_config)
             if cfg.disk_mode and self.worker_handler is not None:
                 self.worker_handler = KvoffloadWorker(
                     vllm_config, kv_cache_config,
@@ -466,7 +540,32 @@ def _build_connector_class() -> type:
             meta = super().build_connector_meta(scheduler_output)
             if self._kvoffload_num_slots is not None:
                 meta.kvoffload_num_slots = self._kvoffload_num_slots
+            if self.offload.persist.enabled and meta.store_gpu_blocks:
+                # Each stored block's hash, as vLLM will publish it when the store completes
+                # (the GPU blocks are held until then): the ranks write it to their index.
+                gpu = self.scheduler_manager._gpu_block_pool
+                meta.kvoffload_store_keys = [block_key(gpu.blocks[b]) for b in meta.store_gpu_blocks]
             return meta
+
+        def _restore(self, vllm_config) -> None:
+            """Seed vLLM's offload pool from the ranks' indexes (the workers opened and checked
+            them before the scheduler exists): a slot is restored where every rank holds the
+            same block; what is not, is counted by cause."""
+            cfg, pool = self.offload, self.scheduler_manager.cpu_block_pool
+            dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            paths = [rank_disk_path(cfg.disk_path, dp, r) for r in range(self._world_size)]
+            try:
+                key = cfg.persist.operator_key()
+                found = persist.agree([persist.read_pool([p], key) for p in paths], reserved=(0,))
+            except persist.PersistError as e:
+                logger.warning("kvoffload: the persistent disk tier starts empty: %s", e)
+                return
+            entries = [(s, k) for s, k in found.entries() if s < len(pool.blocks)]
+            refused = found.refused + Counter({"capacity": len(found.slots) - len(entries)})
+            seed_pool(pool, entries)
+            self._hits.restored(len(entries), +refused)
+            logger.info("kvoffload restored %d block(s) from %s (refused: %s)", len(entries), ", ".join(paths),
+                        ", ".join(f"{c} {n}" for c, n in sorted(refused.items()) if n) or "none")
 
         def _disk_backend(self):
             backend = getattr(self.worker_handler, "_backend", None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import difflib
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -36,11 +37,13 @@ import torch
 from kvoffload import metrics
 from kvoffload.budget import POOL_SLOT_BYTES, slot_state_bytes
 from kvoffload.budget import check as budget_check
-from kvoffload.config import DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, _bool, _int, num_slots, parse_choice, parse_size
+from kvoffload.config import (DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, PERSIST_KEYS, PersistConfig, _bool, _int,
+                               num_slots, parse_choice, parse_size)
 from kvoffload.device import HostDevice
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.jobs import JobEvent
 from kvoffload.os_calls import OsCalls
+from kvoffload.persist import Persist
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvoffload.slot_pool import SlotPool
 from kvoffload.vllm_version import SUPPORTED_TEXT, check_vllm
@@ -61,7 +64,8 @@ _FACTORY_KEYS = ("type", "module_path", "backpressure")
 # thread: set io_unit_bytes lower where host memory is scarcer than the engine's GIL.
 TIER_IO_UNIT_BYTES = 16 * 2**20
 _KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
-         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io", "prefill_file")
+         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io", "prefill_file",
+         *PERSIST_KEYS)
 _CLASSES: dict[str, type] = {}
 
 
@@ -94,6 +98,7 @@ class TierConfig:
     direct_io: bool = False
     native_io: Optional[bool] = None  # the IO path, as kv_connector_extra_config's native_io
     prefill_file: bool = False  # write the slot files once at start-up (kv_connector_extra_config's key)
+    persist: PersistConfig = PersistConfig()  # keep the tier across restarts (persist.py)
 
     def __post_init__(self) -> None:
         # Checked here, not only in from_tier_config, so a TierConfig built directly is
@@ -115,6 +120,11 @@ class TierConfig:
         object.__setattr__(self, "native_io", parse_choice(self.native_io, "native_io"))
         if self.locality is not None and self.locality not in LOCALITIES:
             raise ValueError(f"locality={self.locality!r}: expected one of {LOCALITIES}")
+        if not isinstance(self.persist, PersistConfig):
+            raise ValueError(f"persist={self.persist!r}: expected a PersistConfig (from_tier_config reads the "
+                             "persist keys)")
+        if self.persist.enabled and not self.encrypt:
+            raise ValueError('"persist": true needs encryption: remove "encrypt": false')
 
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
@@ -139,7 +149,9 @@ class TierConfig:
         for key in ("disk_capacity_bytes", "io_unit_bytes"):
             if key in given:
                 given[key] = parse_size(key, given[key], positive=True)
-        return cls(disk_paths=tuple(paths), **given)
+        kept = PersistConfig.from_keys({k: given.pop(k) for k in PERSIST_KEYS if k in given},
+                                       given.get("encrypt", True))
+        return cls(disk_paths=tuple(paths), persist=kept, **given)
 
     @property
     def seal(self) -> str:
@@ -177,13 +189,16 @@ class SlotTier:
     """Chunks of the CPU primary on kvoffload slot files: lookup, store, load, poll.
 
     ``primary`` is the primary tier's memory, ``[num_chunks, bytes_per_chunk]`` (vLLM's
-    ``primary_kv_view``). Keys are any hashables (vLLM's ``OffloadKey``). ``tokens_of``
-    gives the prompt tokens a key's chunk holds, for the hit metrics (None: not counted).
+    ``primary_kv_view``). Keys are any hashables (vLLM's ``OffloadKey``), bytes of at most
+    ``persist.MAX_KEY_BYTES`` when the tier persists. ``tokens_of`` gives the prompt tokens
+    a key's chunk holds, for the hit metrics (None: not counted). ``fingerprint``: what a
+    persistent tier's chunks depend on besides the tokens (``persist.Persist``).
     """
 
     def __init__(self, primary: memoryview, cfg: TierConfig, *, os_calls: Optional[OsCalls] = None,
                  join_timeout: Optional[float] = None,
-                 tokens_of: Optional[Callable[[Hashable], int]] = None) -> None:
+                 tokens_of: Optional[Callable[[Hashable], int]] = None,
+                 fingerprint: Optional[dict[str, Any]] = None) -> None:
         if not isinstance(primary, memoryview):
             raise TypeError(f"{TIER_TYPE}: primary must be a memoryview, got {type(primary).__name__}")
         if not isinstance(cfg, TierConfig):
@@ -202,7 +217,9 @@ class SlotTier:
         # The disk and the per-slot state (the pool's LRU and the backend's records) are
         # checked before either is built: SlotPool(1.3e12) would die in a MemoryError.
         budget_check(osc, f"disk_capacity_bytes={cfg.disk_capacity_bytes}", cfg.disk_paths, slots, self.block_bytes,
-                     cfg.use_page_cache, slots * (POOL_SLOT_BYTES + slot_state_bytes(cfg.seal)))
+                     cfg.use_page_cache, slots * (POOL_SLOT_BYTES + slot_state_bytes(cfg.seal, cfg.persist.enabled)),
+                     persist=cfg.persist.enabled)
+        kept = Persist(cfg.persist.operator_key(), fingerprint or {}) if cfg.persist.enabled else None
         # The backend checks join_timeout like its other keywords, before it makes anything.
         extra = {"join_timeout": join_timeout} if join_timeout is not None else {}
         self.cfg = cfg
@@ -216,8 +233,7 @@ class SlotTier:
             use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
             encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
             io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, native_io=cfg.native_io,
-            prefill=cfg.prefill_file, os_calls=osc,
-            device_impl=HostDevice(cfg.direct_io), **extra,
+            prefill=cfg.prefill_file, os_calls=osc, device_impl=HostDevice(cfg.direct_io), persist=kept, **extra,
         )
         self._jobs: dict[int, _Job] = {}
         self._done_ids: collections.deque[int] = collections.deque()  # appended by IO threads
@@ -227,6 +243,13 @@ class SlotTier:
         self._failed_slots: set[int] = set()
         self._tokens_of = tokens_of
         self.hits = metrics.HitMetrics()
+        if kept is not None:
+            found = self.backend.restored()
+            self.pool.restore(found.entries())
+            self.hits.restored(len(found.slots), found.refused)
+            logger.info("kvoffload tier restored %d chunk(s) from %s (refused: %s)", len(found.slots),
+                        ", ".join(cfg.disk_paths),
+                        ", ".join(f"{c} {n}" for c, n in sorted(found.refused.items())) or "none")
 
     @property
     def num_slots(self) -> int:
@@ -319,8 +342,9 @@ class SlotTier:
     def _launch(self, job: _Job) -> None:
         events: list = []
         src, dst = (job.chunks, job.slots) if job.is_store else (job.slots, job.chunks)
+        keys = job.keys if job.is_store and self.cfg.persist.enabled else None
         try:
-            self.backend.launch_copy(src, dst, job.is_store, job.job_id, events)
+            self.backend.launch_copy(src, dst, job.is_store, job.job_id, events, keys=keys)
         except Exception:
             # A dead or closed backend: the job fails (its keys become misses); the
             # scheduler must not see an exception from a tier call.
@@ -355,6 +379,18 @@ class SlotTier:
                            "load", job.job_id, len(bad_keys), len(job.keys) + len(job.missing))
         partial = None if success or job.is_store or not good_keys else tuple(good_keys)
         return FinishedJob(job.job_id, success, partial, len(good_keys) * self.block_bytes)
+
+
+def tier_fingerprint(config: Any) -> dict[str, Any]:
+    """What a persistent tier's chunks depend on besides the tokens, from vLLM's
+    ``OffloadingConfig``: the model, its KV layout by group, the chunking, the rank."""
+    groups = ";".join(f"{g.group_id}:{g.tokens_per_block}:{','.join(g.layer_names)}" for g in config.groups)
+    par = config.parallel
+    return {"model": config.model.name, "dtype": str(config.model.dtype),
+            "groups": hashlib.sha256(groups.encode()).hexdigest()[:16], "kv_bytes_per_block": config.worker_kv_bytes_per_block,
+            "tokens_per_hash": config.cache.tokens_per_hash, "blocks_per_chunk": config.cache.blocks_per_chunk,
+            "kv_cache_layout": getattr(config, "kv_cache_layout", None), "rank": par.rank, "world_size": par.world_size,
+            "data_parallel_index": par.data_parallel_index}
 
 
 def _check_interface(version: str, base: Any, job_result: Any) -> None:
@@ -398,8 +434,20 @@ def _build_tier_class() -> type:
             self.locality = Locality(cfg.locality) if cfg.locality else None
             # A chunk is blocks_per_chunk blocks of its KV cache group (the key's last 4 bytes).
             per_group = [n * offloading_spec.blocks_per_chunk for n in offloading_spec.tokens_per_block]
+            fp = None
+            if cfg.persist.enabled:
+                from vllm.config import get_current_vllm_config_or_none
+
+                from kvoffload.vllm import check_stable_hashes
+
+                # Where vLLM's config is reachable here; vLLM builds its tiers outside that
+                # context in some releases, so docs/vllm.md states the rule for this path.
+                current = get_current_vllm_config_or_none()
+                if current is not None:
+                    check_stable_hashes(current)
+                fp = tier_fingerprint(offloading_spec.config)
             self.slot_tier = SlotTier(primary_kv_view, cfg, os_calls=os_calls,
-                                      tokens_of=lambda key: per_group[get_offload_group_idx(key)])
+                                      tokens_of=lambda key: per_group[get_offload_group_idx(key)], fingerprint=fp)
             logger.info("kvoffload tier %r: %d slots of %d B over %s", tier_type, self.slot_tier.num_slots,
                         self.block_size_bytes, ", ".join(cfg.disk_paths))
 

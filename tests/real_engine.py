@@ -24,8 +24,10 @@ import logging
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,6 +126,10 @@ class EngineSpec:
     # Test-only switch: the connector reports no load errors to vLLM (kvoffload's
     # recompute path off), to show the failure tests catch its absence.
     disable_recompute: bool = False
+    # kill -9 mid-serve: the process SIGKILLs itself kill_delay_s after round kill_in_round
+    # starts (its result is then never written; run_engine returns None).
+    kill_in_round: Optional[int] = None
+    kill_delay_s: float = 0.3
 
 
 @dataclass
@@ -154,8 +160,9 @@ class EngineResult:
     summaries: list[str] = field(default_factory=list)  # kvoffload's "run summary" lines at shutdown
 
 
-def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> EngineResult:
-    """Run ``spec`` in a fresh process; its result, or AssertionError with its log tail."""
+def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> Optional[EngineResult]:
+    """Run ``spec`` in a fresh process; its result (None where it was to kill itself and
+    did), or AssertionError with its log tail."""
     work = Path(spec.disk_dir).parent
     spec_file, out_file, log_file = work / "spec.json", work / "result.json", work / "engine.log"
     spec_file.write_text(json.dumps(asdict(spec)))
@@ -169,6 +176,8 @@ def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> EngineRes
                                   cwd=Path(__file__).resolve().parents[1])
         except subprocess.TimeoutExpired:
             raise AssertionError(f"engine run hung past {timeout} s; log: {log_file}\n{_tail(log_file)}")
+    if spec.kill_in_round is not None and proc.returncode == -signal.SIGKILL:
+        return None
     if proc.returncode != 0 or not out_file.exists():
         raise AssertionError(f"engine run failed (exit {proc.returncode}); log: {log_file}\n{_tail(log_file)}")
     return EngineResult(**json.loads(out_file.read_text()))
@@ -249,6 +258,8 @@ def _engine_main(spec: EngineSpec, out_file: Path) -> None:
     sp = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
     outputs, cached, sources = [], [], []
     for i, prompts in enumerate(spec.rounds):
+        if i == spec.kill_in_round:
+            threading.Timer(spec.kill_delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if i and spec.fault == "flip_byte" and backend is not None:
             _flip_a_byte_in_every_written_slot(backend, Tamper)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)

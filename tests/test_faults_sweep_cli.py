@@ -46,8 +46,8 @@ def test_a_backend_that_serves_wrong_bytes_is_counted(tmp_path, monkeypatch, cap
     """The counters can fail: a seal that corrupts what it opens and says it is fine."""
     real_open = AesGcmSeal.open
 
-    def lying_open(self, slot, row, payload_bytes, record):
-        ok = real_open(self, slot, row, payload_bytes, record)
+    def lying_open(self, slot, row, payload_bytes, record, dst=None):
+        ok = real_open(self, slot, row, payload_bytes, record, dst)
         row[0] ^= 0xFF
         return ok
 

@@ -113,7 +113,7 @@ def table(rows: list[dict]) -> str:
         spread = (f"{r['ratio_median']:.2f} ({min(rounds):.2f}-{max(rounds):.2f}) of {len(rounds)}"
                   if len(rounds) > 1 else "")
         out.append(f"{_label(r):<46} {r['gib_s_best']:8.2f} {r['gib_s_worst']:8.2f} {ratio:>6} {ceil:>8}  "
-                   f"{(r['ceiling'] or ''):<33} {(r['cpu_s_per_gib'] or 0):9.3f}  {check:<5}  {spread}")
+                   f"{(r['ceiling'] or ''):<33} {(r['cpu_s_per_gib'] or 0):9.3f}  {check:<5}  {spread}".rstrip())
     return "\n".join(out)
 
 
