@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
-# One H200 call: the data-path tests on CUDA, then one bench run on four RAM drives of the
-# striped cold load against its cycling ceiling, the engine group (native units) and the
-# metric-collection cost, then the engine group's 75% cases on the Python path. Carry .whl.
+# The session's last H200 call: the carried wheel under `pytest -m cuda` (the copy paths changed
+# since the last run), the engine group at 75% Python on four RAM drives, the ways of making a slot
+# file against first stores on one RAM drive, the persistent pool's costs (PERSIST_CMD, run from the
+# checkout), and the plain checkout's Python path under `pytest -m cuda`. At most 8 files in $OUT.
+# Carry .whl (the kvoffload wheel, cryptography, cffi, pycparser; COMMIT).
+#   OUT=/dir PERSIST_CMD='...' bash scripts/h200_final.sh
 set -u -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 140 python3 -m pytest -m cuda -q -p no:cacheprovider > "$OUT/cuda.log" 2>&1; echo "cuda tests rc=$?: $(tail -1 "$OUT/cuda.log")"
-common=(--make-array 4 --array-gib 6 --layouts llama --gib 2 --engine-seconds 0.7 --engine-max-repeats 4 --json)
-timeout 300 python3 -m kvoffload.bench "${common[@]}" --only stripe,engine,metrics --modes direct --seals aes-gcm \
-  --engine-shares 0.25,0.75 --engine-paths gpu,tier --metrics-pairs 5 --case-seconds 1.5 > "$OUT/bench.json" 2> "$OUT/bench.log"
-echo "bench rc=$?"
-KVOFFLOAD_NATIVE_IO=off timeout 110 python3 -m kvoffload.bench "${common[@]}" --only engine --engine-shares 0.75 \
-  --engine-paths gpu,tier > "$OUT/engine_python.json" 2> "$OUT/engine_python.log"; echo "python path rc=$?"
-python3 scripts/engine_summary.py "$OUT/bench.json" "$OUT/engine_python.json"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1
+echo "build: $(cat .whl/COMMIT 2>/dev/null)" > "$OUT/env.txt"
+mv kvoffload /tmp/kvoffload.checkout
+trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
+PYTHONPATH=/tmp/site python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" \
+  | tee -a "$OUT/env.txt"
+PYTHONPATH=/tmp/site KVOFFLOAD_REQUIRE_NATIVE=1 timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
+  > "$OUT/cuda_wheel.log" 2>&1; echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
+PYTHONPATH=/tmp/site timeout 200 python3 -m kvoffload.bench --make-array 4 --array-gib 6 --layouts llama --gib 2 \
+  --engine-seconds 0.7 --engine-max-repeats 4 --engine-shares 0.75 --engine-paths gpu,tier,raw --only engine --json \
+  > "$OUT/engine4.json" 2> /dev/null; echo "engine group rc=$?"
+PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine4.json" | grep -E " 4 0.75|ok"
+mv /tmp/kvoffload.checkout kvoffload; trap - EXIT
+# One RAM drive, built as the notes say, for the first-write probe and the persistence figures.
+fallocate -l 12G /dev/shm/pd.img && L=$(losetup -f --show /dev/shm/pd.img) && mkfs.ext4 -q -F -m 0 \
+  -E lazy_itable_init=0,lazy_journal_init=0 "$L" && mkdir -p /mnt/pd && mount "$L" /mnt/pd || echo "ram drive failed"
+timeout 90 python3 scripts/probe_first_write.py --dir /mnt/pd --gib 4 --threads 4 --rounds 3 > "$OUT/first_write.txt" 2>&1
+echo "first-write probe rc=$?"; cat "$OUT/first_write.txt"
+if [ -n "${PERSIST_CMD:-}" ]; then
+  PYTHONPATH=.:/tmp/site DIR=/mnt/pd timeout 150 bash -c "$PERSIST_CMD" > "$OUT/persist.txt" 2>&1
+  echo "persist rc=$?"; tail -25 "$OUT/persist.txt"
+fi
+PYTHONPATH=.:/tmp/site KVOFFLOAD_NATIVE_IO=off timeout 100 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
+  > "$OUT/cuda_checkout.log" 2>&1; echo "cuda tests, the plain checkout (Python path): rc=$? $(tail -1 "$OUT/cuda_checkout.log")"
+umount /mnt/pd 2>/dev/null; losetup -d "$L" 2>/dev/null; rm -f /dev/shm/pd.img
