@@ -1,36 +1,35 @@
 #!/usr/bin/env bash
 # The session's last H200 call: the carried wheel under `pytest -m cuda` (the copy paths changed
-# since the last run), the engine group at 75% Python on four RAM drives, the ways of making a slot
-# file against first stores on one RAM drive, the persistent pool's costs (PERSIST_CMD, run from the
-# checkout), and the plain checkout's Python path under `pytest -m cuda`. At most 8 files in $OUT.
-# Carry .whl (the kvoffload wheel, cryptography, cffi, pycparser; COMMIT).
-#   OUT=/dir PERSIST_CMD='...' bash scripts/h200_final.sh
+# since the last run), the engine group at 75% Python on four RAM drives, the persistent pool's
+# costs and the ways of making a slot file against first stores on one RAM drive, then the plain
+# checkout's Python path under `pytest -m cuda`. At most 8 files in $OUT. Carry .whl (the kvoffload
+# wheel, cryptography, cffi, pycparser; COMMIT).
+#   OUT=/dir bash scripts/h200_final.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1
 echo "build: $(cat .whl/COMMIT 2>/dev/null)" > "$OUT/env.txt"
+# One RAM drive, built as the notes say (fully allocated image, eager ext4 init).
+fallocate -l 12G /dev/shm/pd.img && L=$(losetup -f --show /dev/shm/pd.img) && mkfs.ext4 -q -F -m 0 \
+  -E lazy_itable_init=0,lazy_journal_init=0 "$L" && mkdir -p /mnt/pd && mount "$L" /mnt/pd || echo "ram drive failed"
 mv kvoffload /tmp/kvoffload.checkout
 trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
 PYTHONPATH=/tmp/site python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" \
   | tee -a "$OUT/env.txt"
 PYTHONPATH=/tmp/site KVOFFLOAD_REQUIRE_NATIVE=1 timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_wheel.log" 2>&1; echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
+mkdir -p -m 700 /mnt/pd/persist
+PYTHONPATH=/tmp/site timeout 110 python3 scripts/bench_persist.py --dir /mnt/pd/persist --device cuda --blocks 256 \
+  --pairs 5 --repeat 3 > "$OUT/persist.txt" 2>&1; echo "persist bench rc=$?"; tail -20 "$OUT/persist.txt"
+timeout 90 python3 scripts/probe_first_write.py --dir /mnt/pd --gib 4 --threads 4 --rounds 3 > "$OUT/first_write.txt" 2>&1
+echo "first-write probe rc=$?"; cat "$OUT/first_write.txt"
 PYTHONPATH=/tmp/site timeout 200 python3 -m kvoffload.bench --make-array 4 --array-gib 6 --layouts llama --gib 2 \
   --engine-seconds 0.7 --engine-max-repeats 4 --engine-shares 0.75 --engine-paths gpu,tier,raw --only engine --json \
   > "$OUT/engine4.json" 2> /dev/null; echo "engine group rc=$?"
-PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine4.json" | grep -E " 4 0.75|ok"
+PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine4.json"
 mv /tmp/kvoffload.checkout kvoffload; trap - EXIT
-# One RAM drive, built as the notes say, for the first-write probe and the persistence figures.
-fallocate -l 12G /dev/shm/pd.img && L=$(losetup -f --show /dev/shm/pd.img) && mkfs.ext4 -q -F -m 0 \
-  -E lazy_itable_init=0,lazy_journal_init=0 "$L" && mkdir -p /mnt/pd && mount "$L" /mnt/pd || echo "ram drive failed"
-timeout 90 python3 scripts/probe_first_write.py --dir /mnt/pd --gib 4 --threads 4 --rounds 3 > "$OUT/first_write.txt" 2>&1
-echo "first-write probe rc=$?"; cat "$OUT/first_write.txt"
-if [ -n "${PERSIST_CMD:-}" ]; then
-  PYTHONPATH=.:/tmp/site DIR=/mnt/pd timeout 150 bash -c "$PERSIST_CMD" > "$OUT/persist.txt" 2>&1
-  echo "persist rc=$?"; tail -25 "$OUT/persist.txt"
-fi
 PYTHONPATH=.:/tmp/site KVOFFLOAD_NATIVE_IO=off timeout 100 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_checkout.log" 2>&1; echo "cuda tests, the plain checkout (Python path): rc=$? $(tail -1 "$OUT/cuda_checkout.log")"
 umount /mnt/pd 2>/dev/null; losetup -d "$L" 2>/dev/null; rm -f /dev/shm/pd.img
