@@ -21,12 +21,12 @@ PYTHONPATH=/tmp/site python3 -c "import kvoffload, kvoffload.native_io as n; pri
 PYTHONPATH=/tmp/site KVOFFLOAD_REQUIRE_NATIVE=1 timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_wheel.log" 2>&1; echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
 mkdir -p -m 700 /mnt/pd/persist
-PYTHONPATH=/tmp/site timeout 110 python3 scripts/bench_persist.py --dir /mnt/pd/persist --device cuda --blocks 256 \
+PYTHONPATH=/tmp/site timeout 80 python3 scripts/bench_persist.py --dir /mnt/pd/persist --device cuda --blocks 256 \
   --pairs 5 --repeat 3 > "$OUT/persist.txt" 2>&1; echo "persist bench rc=$?"; tail -20 "$OUT/persist.txt"
-timeout 90 python3 scripts/probe_first_write.py --dir /mnt/pd --gib 4 --threads 4 --rounds 3 > "$OUT/first_write.txt" 2>&1
+timeout 90 python3 scripts/probe_first_write.py --dir /mnt/pd --gib 3 --threads 4 --rounds 2 > "$OUT/first_write.txt" 2>&1
 echo "first-write probe rc=$?"; cat "$OUT/first_write.txt"
-PYTHONPATH=/tmp/site timeout 200 python3 -m kvoffload.bench --make-array 4 --array-gib 6 --layouts llama --gib 2 \
-  --engine-seconds 0.7 --engine-max-repeats 4 --engine-shares 0.75 --engine-paths gpu,tier,raw --only engine --json \
+PYTHONPATH=/tmp/site timeout 140 python3 -m kvoffload.bench --make-array 4 --array-gib 6 --layouts llama --gib 2 \
+  --engine-seconds 0.6 --engine-max-repeats 3 --engine-shares 0.75 --engine-paths gpu,tier,raw --only engine --json \
   > "$OUT/engine4.json" 2> /dev/null; echo "engine group rc=$?"
 PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine4.json"
 mv /tmp/kvoffload.checkout kvoffload; trap - EXIT
