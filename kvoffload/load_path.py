@@ -253,7 +253,7 @@ class LoadLane(Lane):
         blocks = None if run.host_blocks is None else self.block_addrs(unit)
         bufs = blocks if self.direct else self.staging_addrs(rows, n)
         idents = None
-        if getattr(run.seal, "persistent", False):
+        if run.pool is not None:  # a persistent pool's seal: each slot's identity in its record
             idents = [r[2] if r is not None else bytes(run.seal.ident_bytes) for r in records]
         self.fill(call, unit, bufs, bufs if blocks is None else blocks, idents)
         call.status[list(skip)] = lib.KVO_SKIP

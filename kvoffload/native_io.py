@@ -25,7 +25,6 @@ from __future__ import annotations
 import errno
 import importlib
 import importlib.util
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -38,9 +37,7 @@ import numpy as np
 from kvoffload.config import NATIVE_IO_ENV as ENV
 from kvoffload.config import parse_choice
 from kvoffload.os_calls import OsCalls, moved
-from kvoffload.slot_seal import AesGcmSeal, SlotSeal, ValiditySeal
-
-logger = logging.getLogger("kvoffload")
+from kvoffload.slot_seal import SlotSeal
 
 # Most slots one file call moves, on both paths: the kernel takes at most IOV_MAX
 # buffers a call, and a direct lane passes one per block.
@@ -127,13 +124,13 @@ def from_environment() -> Optional[bool]:
     return parse_choice(os.environ.get(ENV, ""), ENV)
 
 
-def seal_kind(seal: SlotSeal) -> Optional[int]:
-    """The core's seal for ``seal``, or None where it has none (xxh3 stays in Python)."""
-    if isinstance(seal, AesGcmSeal):
-        return 1  # KVO_SEAL_AES_GCM
-    if isinstance(seal, ValiditySeal):
-        return 0  # KVO_SEAL_OFF
-    return None
+# The seals the core implements; xxh3 checksums stay on the Python path.
+NATIVE_SEALS = ("aes-gcm", "off")
+
+
+def seal_code(core: NativeCore, seal: SlotSeal) -> int:
+    """The core's ``KVO_SEAL_*`` (native/unit_io.h) for ``seal``, one of ``NATIVE_SEALS``."""
+    return core.lib.KVO_SEAL_AES_GCM if seal.name == "aes-gcm" else core.lib.KVO_SEAL_OFF
 
 
 def choose(seal: SlotSeal, requested: Optional[bool]) -> tuple[Optional[NativeCore], str]:
@@ -144,11 +141,11 @@ def choose(seal: SlotSeal, requested: Optional[bool]) -> tuple[Optional[NativeCo
     why = None
     if requested is False:
         why = f"turned off (native_io=off or {ENV}=off)"
-    elif seal_kind(seal) is None:
+    elif seal.name not in NATIVE_SEALS:
         why = f"no native {seal.name} seal"
     elif core() is None:
         why = why_unavailable()
-    elif seal_kind(seal) == 1 and core().gcm == "none":
+    elif seal.name == "aes-gcm" and core().gcm == "none":
         why = "this CPU has no AES-NI and PCLMULQDQ for the native AES-GCM"
     if why is None:
         return core(), core().describe()

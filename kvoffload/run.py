@@ -246,7 +246,7 @@ class Lane:
         run = self.run
         try:
             call.run(self.direction == "store", len(unit.slots), self.file.fd, self.file.slot_bytes,
-                     run.layout.block_bytes, native_io.seal_kind(run.seal), run.gcm_key, run.osc, span,
+                     run.layout.block_bytes, run.seal_code, run.gcm_key, run.osc, span,
                      run.gate.ptr, copy)
         finally:
             unit.io_seconds += call.seconds[0]
@@ -462,12 +462,14 @@ class Run:
         # Chosen once, at init (native_io.choose).
         self.native = native
         self.io_path_detail = ""  # what the start-up line says of the choice
-        # What the core reads: the expanded key (wiped at close), and the flag shutdown sets
-        # so that a call back from a hang writes nothing into the caller's memory.
-        self.gcm_key = (native_io.gcm_key(native, seal.key) if native is not None and
-                        native_io.seal_kind(seal) == native.lib.KVO_SEAL_AES_GCM else None)
-        if native is not None and self.gcm_key is None:
-            self.gcm_key = native.ffi.NULL
+        # What the core reads: its seal, the expanded key (wiped at close; NULL with no
+        # cipher), and the gate shutdown closes so that a call back from a hang writes
+        # nothing into the caller's memory.
+        self.seal_code = self.gcm_key = None
+        if native is not None:
+            self.seal_code = native_io.seal_code(native, seal)
+            self.gcm_key = (native_io.gcm_key(native, seal.key) if self.seal_code == native.lib.KVO_SEAL_AES_GCM
+                            else native.ffi.NULL)
         self.gate = WriteGate() if native is None else NativeWriteGate(native)
         # Host-resident blocks (HostDevice) are sealed from and opened into directly,
         # and, where a lane's file allows, read into and written from (Lane.direct).
