@@ -11,6 +11,7 @@ import json
 import os
 import pstats
 
+import numpy as np
 import pytest
 import torch
 
@@ -340,3 +341,24 @@ def test_engine_group_reports_both_ratios_per_case(capsys, tmp_path):
                                          ("--engine-shares", "x"), ("--engine-paths", "gpu,disk")])
 def test_engine_flags_are_checked(capsys, flag, value):
     assert f"argument {flag}: " in one_line_error(capsys, ["--device", "cpu", flag, value])
+
+
+def test_an_engine_segment_counts_the_bytes_moved_not_whole_jobs(tmp_path):
+    # A segment holds a few jobs of a quarter of the footprint each: counting whole ones made
+    # every rate a multiple of job_bytes / segment (ratios of 0.67, 0.75 or 1.0). A job that
+    # cannot finish in the segment still moved its units' bytes, and the rate says so.
+    from kvoffload.bench import engine
+
+    path = engine.GpuPath(torch.device("cpu"), [str(tmp_path / "kv")], (1 << 20,), 64, io_threads=1,
+                          io_unit_bytes=1 << 20)
+    try:
+        driver = engine.Driver(path, is_store=True, job_blocks=48, depth=1, rng=np.random.default_rng(0))
+        before = path.moved(True)
+        seg = driver.segment(0, 0.03, launch=True)
+        after = path.moved(True)
+        assert seg.bytes_moved % (1 << 20) == 0 and 0 < seg.bytes_moved <= after - before, seg
+        assert seg.gib_s == pytest.approx(seg.bytes_moved / seg.wall_s / 2**30)
+        if seg.jobs == 0:  # the usual case: 48 MiB do not finish in 30 ms here
+            assert seg.gib_s > 0
+    finally:
+        path.close()
