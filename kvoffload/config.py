@@ -36,16 +36,16 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file",
-                            *PERSIST_KEYS})
+KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "io_unit_bytes", "named_file", "native_io",
+                            "prefill_file", *PERSIST_KEYS})
 # Keys that were renamed: the message names the new one.
 RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 # Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
 DISK_ONLY_KEYS = (
     "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
-    "direct_io_alignment", "encrypt", "checksums", "io_threads", "named_file", "native_io", "prefill_file",
-    *PERSIST_KEYS,
+    "direct_io_alignment", "encrypt", "checksums", "io_threads", "io_unit_bytes", "named_file", "native_io",
+    "prefill_file", *PERSIST_KEYS,
 )
 
 _UNITS = {
@@ -198,6 +198,9 @@ class OffloadConfig:
     encrypt: bool = True  # AES-GCM per slot: no prompt readable from the disk
     checksums: bool = True  # xxh3 per slot when encrypt is off
     io_threads: Optional[int] = None  # per lane; None: the backend's default
+    # Most bytes one IO thread moves per unit; its staging is this (loads: twice). None: the
+    # backend's default (DEFAULT_IO_UNIT_BYTES, disk_backend.py says why that size).
+    io_unit_bytes: Optional[int] = None
     named_file: bool = False  # skip O_TMPFILE, use the named (and unlinked) file
     # The IO path: True/"on" the native core (refused at start-up where it cannot run),
     # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
@@ -231,7 +234,7 @@ class OffloadConfig:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"disk_path={p!r}: expected a non-empty file path")
             kw["disk_path"] = p
-        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
+        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "io_unit_bytes"):
             if key in extra:
                 kw[key] = parse_size(key, extra[key], positive=True)
         for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_threads", 1),
@@ -280,14 +283,17 @@ class OffloadConfig:
 
     def backend_kwargs(self) -> dict[str, Any]:
         """kvoffload's own ``DiskBackend.init`` keywords (the connector adds the rest)."""
-        return {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
-                "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
-                "native_io": self.native_io, "prefill": self.prefill_file}
+        kw = {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
+              "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
+              "native_io": self.native_io, "prefill": self.prefill_file}
+        if self.io_unit_bytes is not None:
+            kw["io_unit_bytes"] = self.io_unit_bytes
+        return kw
 
     def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""
         out = dict(extra)
-        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
+        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "io_unit_bytes"):
             if key in out:
                 out[key] = getattr(self, key)
         return out

@@ -52,9 +52,13 @@ DEFAULT_IO_THREADS = 8
 # a driver call and an event wait (a blocking one: a wake-up) whatever its size, so
 # small units cap the device copy: H200, 8 threads, 2 MiB llama blocks, device copy
 # alone 45-46 GiB/s with 16 MiB units, 15 with 2 MiB; four RAM-backed drives loaded
-# at 13.2 GiB/s with 16 MiB units and 6.0 with 2 MiB. (One RAM-backed drive alone
-# preferred 2 MiB, 5.07 against 3.65 GiB/s: its CPU copies want the staging in cache.)
-DEFAULT_IO_UNIT_BYTES = 16 << 20
+# at 13.2 GiB/s with 16 MiB units and 6.0 with 2 MiB. In vLLM's worker each unit also
+# costs its thread one wait for the GIL behind the engine's thread: at 75% Python per
+# step, four RAM drives kept 0.78 (loads) / 0.83 (stores) of their bandwidth with 16 MiB
+# units and 0.93 / 0.94 with 32 MiB (bench --only engine, docs/performance.md). Staging
+# is 3 x io_threads x io_unit_bytes per disk path: set it lower where host memory is
+# scarcer than the engine's GIL.
+DEFAULT_IO_UNIT_BYTES = 32 << 20
 
 
 def default_io_threads(num_paths: int, num_buffer_slots: int = 1, cores: Optional[int] = None) -> int:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Which knob moves the engine group's bandwidth at 75% Python on four RAM drives: the
-# default run beside the GPU path with 4x larger IO units and with 2x the IO threads.
-# Carry .whl (the kvoffload wheel and its dependencies; COMMIT).  OUT=/dir bash scripts/h200_units.sh
+# The engine group at 75% Python on one and four RAM drives, per IO unit size: which
+# io_unit_bytes keeps the drives' bandwidth beside a busy engine thread. With CUDA_TESTS=1
+# the carried wheel runs `pytest -m cuda` first. Carry .whl (the kvoffload wheel and its
+# dependencies; COMMIT).
+#   OUT=/dir VARIANTS="unit16:--engine-paths gpu --io-unit-mib 16|default:--engine-paths gpu,tier,raw" \
+#     bash scripts/h200_units.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,10 +14,15 @@ echo "build: $(cat .whl/COMMIT 2>/dev/null)" > "$OUT/env.txt"
 mv kvoffload /tmp/kvoffload.checkout
 trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
 python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" | tee -a "$OUT/env.txt"
-common="--make-array 4 --array-gib 6 --layouts llama --gib 2 --engine-seconds 0.6 --engine-max-repeats ${REPEATS:-4} --engine-shares 0.75 --only engine --json"
-for v in "base:--engine-paths gpu,tier,raw" "unit64:--engine-paths gpu --io-unit-mib 64" "threads8:--engine-paths gpu --io-threads 8"; do
+if [ "${CUDA_TESTS:-0}" = 1 ]; then
+  KVOFFLOAD_REQUIRE_NATIVE=1 timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider -x > "$OUT/cuda_wheel.log" 2>&1
+  echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
+fi
+common="--make-array 4 --array-gib 6 --layouts llama --gib 2 --engine-seconds 0.8 --engine-max-repeats ${REPEATS:-5} --engine-shares 0.75 --only engine --json"
+IFS='|' read -ra variants <<< "${VARIANTS:-base:--engine-paths gpu,tier,raw}"
+for v in "${variants[@]}"; do
   name=${v%%:*}; args=${v#*:}
-  timeout 170 python3 -m kvoffload.bench $common $args > "$OUT/engine_$name.json" 2> "$OUT/engine_$name.err"
+  timeout 240 python3 -m kvoffload.bench $common $args > "$OUT/engine_$name.json" 2> "$OUT/engine_$name.err"
   echo "$name rc=$?"
 done
 python3 scripts/engine_summary.py "$OUT"/engine_*.json

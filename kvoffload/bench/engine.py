@@ -37,7 +37,7 @@ import torch
 
 from kvoffload.bench.ceilings import RawFile
 from kvoffload.device import alloc_host
-from kvoffload.disk_backend import DEFAULT_IO_THREADS, DiskBackend
+from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
 from kvoffload.slot_file import round_up
 from kvoffload.vllm_tier import SlotTier, TierConfig
 
@@ -402,7 +402,7 @@ class EngineConfig:
     max_repeats: int = 8
     tol: float = 0.05
     io_threads: Optional[int] = None
-    io_unit_bytes: int = 16 * MiB
+    io_unit_bytes: int = DEFAULT_IO_UNIT_BYTES
     paths: tuple[str, ...] = PATHS
     directions: tuple[str, ...] = DIRECTIONS
     shares: tuple[float, ...] = SHARES
