@@ -3,31 +3,45 @@
 One engine step on one GPU of a replica (tensor parallelism ``tp``) runs ``T`` new
 tokens of ``S`` sequences: prefill chunks and ``D`` decode tokens together. Its time is
 
-    linear    softmax(W / weight_rate, F_lin / gemm_rate)      the weight GEMMs
+    linear    L * sum of the layer's four GEMMs + the LM head's GEMM    (below)
   + attention F_attn / attn_rate                               prefill FLOPs
             + KV / min(kv_rate, D * H_kv * kv_head_rate)       decode's reads of the cached KV
   + per token T * L * token_layer, per layer L * layer          norms, RoPE, small kernels
   + all-reduce 2 L (allreduce + T * hidden * 2 / allreduce_rate) when tp > 1
   + host      step_fixed                                       scheduling, sampling [est]
 
-with W the weights a step reads and F_lin = 2 (params T + vocab hidden S), all per
-GPU (divided by ``tp``). ``softmax(a, b) = (a^k + b^k)^(1/k)``: a GEMM is bound by its
-weights at few tokens and by its FLOPs at many, and the knee between is soft. Decode
-attention runs one thread block per sequence and KV head (``H_kv`` KV heads on each
-GPU), each streaming its context's KV from HBM: a block keeps only so many bytes in
-flight, so the read rate grows with the ``D * H_kv`` blocks until the HBM's rate caps
-it (the H200 measured about 46 GB/s a block, saturating near 100 blocks; the kernel
-timed does not split a context across blocks). The rates and the per-token and
-per-layer costs are fitted to step times measured on the H200
-(kvsim/profiles/gpu_h200.json holds the measurements, the fit and the command);
-another GPU is derived from the H200 by published ratios only (``derive``). The
-all-reduce and the host's cost per step are not measured: each profile says where
-they come from.
+A GEMM of ``M`` tokens by a weight of ``K`` inputs and ``N`` outputs (per GPU: the
+layer's QKV, output, gate-and-up and down projections with heads and MLP width divided
+by ``tp``, and the vocabulary-parallel LM head on one token per sequence) runs as tiles
+of ``tm x tn`` outputs, each on one of the GPU's ``SMS`` (132) SMs, optionally split
+``s`` ways along ``K`` (split-K, its fp32 partial sums written and reduced). The tiles
+run in ``ceil(tiles * s / SMS)`` waves, each as long as one tile's FLOPs at the SM's
+share of ``gemm_rate``; the weights stream from HBM at ``weight_rate``; the two overlap
+as a soft maximum ``softmax(a, b) = (a^k + b^k)^(1/k)``. The GEMM's time is that of its
+fastest tiling among ``TILES`` x ``SPLITS`` (cuBLAS picks a kernel per shape). Wave
+quantization is what makes 128 and 256 tokens cost unlike any smooth curve: a shape
+whose tiles just exceed a wave pays for a second one. Decode attention runs one thread
+block per sequence and KV head (``H_kv`` on each GPU) in the kernel timed (torch's
+SDPA), each streaming its context's KV: a block keeps only so many bytes in flight, so
+the read rate grows with the ``D * H_kv`` blocks until the HBM's rate caps it. The rates
+and the per-token and per-layer costs are fitted to step times measured on the H200
+(kvsim/profiles/gpu_h200.json holds the measurements, the fit and the command); another
+GPU is derived from the H200 by published ratios only (``derive``).
+
+What the engine runs is vLLM's kernels, not the stack timed: on Hopper vLLM's attention
+is FlashAttention 3, where the stack timed torch's FlashAttention 2. Two stated
+differences (``EngineKernels``), not measured here and not fitted: prefill attention at
+``attn_speedup`` times the FLOP rate timed, and decode attention splitting a context over
+thread blocks (FA3's split-KV) so that its KV is read at the HBM's rate however few
+sequences decode. ``kernels="timed"`` gives the stack as timed (what ``calibrate gpu``
+fits); the engine uses ``kernels="engine"``. The all-reduce and the host's cost per step
+are not measured: each profile says where they come from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,13 +58,13 @@ DEFAULT_GPU = "h200"
 class StepFit:
     """The fitted part of the step time (module docstring)."""
 
-    weight_gb_s: float  # weights read by the linear layers when few tokens run
-    gemm_tflops: float  # linear layers when many do
+    weight_gb_s: float  # weights a GEMM streams from HBM (its bound when few tokens run)
+    gemm_tflops: float  # a GEMM's tiles at the GPU's whole tensor rate: SMS SMs, one tile each
     attn_tflops: float  # prefill attention, FLOPs as ModelShape.attention_flops counts them
     kv_gb_s: float  # decode attention's reads of the cached KV, at full parallelism (the HBM's cap)
     token_layer_ns: float  # per token per layer: norms, RoPE, activation, residuals
     layer_us: float  # per layer per step: the small kernels' floor
-    knee: float  # k of the soft maximum
+    knee: float  # k of the soft maximum of a GEMM's weight streaming and its waves of tiles
     # Decode attention's read rate per thread block (one sequence's one KV head): what
     # a block alone streams, so that D * H_kv blocks read at most D * H_kv times it.
     kv_head_gb_s: float
@@ -61,6 +75,15 @@ class StepFit:
             positive = f.name not in ("token_layer_ns", "layer_us")
             if not finite_number(v) or (v <= 0 if positive else v < 0):
                 raise ValueError(f"step fit: {f.name} must be a number {'>' if positive else '>='} 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineKernels:
+    """How vLLM's kernels differ from the stack timed (module docstring); stated, not fitted."""
+
+    attn_speedup: float = 1.0  # prefill attention's FLOP rate over the timed kernel's
+    kv_split: bool = False  # decode attention splits a context over blocks: KV read at the HBM's rate
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,7 @@ class GpuProfile:
     measurements: list[dict[str, Any]] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineKernels = EngineKernels()
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -86,34 +110,37 @@ class GpuProfile:
     # -- the step ------------------------------------------------------------------------
 
     def gpu_s(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float,
-              decodes: int) -> float:
+              decodes: int, kernels: str = "engine") -> float:
         """Seconds of GPU work of one step (the host's ``step_fixed_ms`` excluded):
         ``tokens`` new tokens of ``seqs`` sequences, ``attn_flops`` of prefill attention
         and ``kv_bytes`` of cached KV that the step's ``decodes`` decoding sequences read,
-        all for the whole model."""
-        const, per_kv_byte = self.decode_parts(m, tp, tokens, seqs, decodes)
-        return const + attn_flops / (tp * self.fit.attn_tflops * 1e12) + kv_bytes * per_kv_byte
+        all for the whole model; with vLLM's kernels (``"engine"``) or the stack timed
+        (``"timed"``)."""
+        const, per_kv_byte = self.decode_parts(m, tp, tokens, seqs, decodes, kernels)
+        rate = self.fit.attn_tflops * (self.engine.attn_speedup if kernels == "engine" else 1.0)
+        return const + attn_flops / (tp * rate * 1e12) + kv_bytes * per_kv_byte
 
-    def decode_parts(self, m: ModelShape, tp: int, tokens: int, seqs: int, decodes: int) -> tuple[float, float]:
+    def decode_parts(self, m: ModelShape, tp: int, tokens: int, seqs: int, decodes: int,
+                     kernels: str = "engine") -> tuple[float, float]:
         """A step's seconds without its attention, and its seconds per byte of cached KV
         read: the two parts of a run of decode steps, only the KV growing."""
-        return self.layers_s(m, tp, tokens, seqs) + self.allreduce_s(m, tp, tokens), self.kv_s_per_byte(m, tp, decodes)
+        return (self.layers_s(m, tp, tokens, seqs) + self.allreduce_s(m, tp, tokens),
+                self.kv_s_per_byte(m, tp, decodes, kernels))
 
-    def kv_s_per_byte(self, m: ModelShape, tp: int, decodes: int) -> float:
+    def kv_s_per_byte(self, m: ModelShape, tp: int, decodes: int, kernels: str = "engine") -> float:
         """Decode attention's seconds per byte of the model's cached KV: each GPU reads its
-        ``1 / tp`` share at the HBM's rate, or slower when its ``decodes * H_kv`` thread
-        blocks (one a sequence and KV head) cannot pull that much."""
+        ``1 / tp`` share at the HBM's rate, or, in the kernel timed, slower when its
+        ``decodes * H_kv`` thread blocks (one a sequence and KV head) cannot pull that much."""
+        if kernels == "engine" and self.engine.kv_split:
+            return 1.0 / (tp * self.fit.kv_gb_s * 1e9)
         blocks = max(1, decodes) * kv_heads_per_gpu(m, tp)
         return 1.0 / (tp * min(self.fit.kv_gb_s, blocks * self.fit.kv_head_gb_s) * 1e9)
 
     def layers_s(self, m: ModelShape, tp: int, tokens: int, seqs: int) -> float:
         """The fitted part without attention: linear layers, per-token and per-layer work."""
         f = self.fit
-        weights = m.step_weight_bytes / tp / (f.weight_gb_s * 1e9)
-        flops = 2.0 * (m.params_nonembed * tokens + m.vocab * m.hidden * seqs) / tp / (f.gemm_tflops * 1e12)
-        hi, lo = max(weights, flops), min(weights, flops)
-        linear = hi * (1.0 + (lo / hi) ** f.knee) ** (1.0 / f.knee)  # the soft maximum, without underflow
-        return linear + m.layers * (tokens * f.token_layer_ns * 1e-9 / tp + f.layer_us * 1e-6)
+        return (linear_s(f, m, tp, tokens, seqs)
+                + m.layers * (tokens * f.token_layer_ns * 1e-9 / tp + f.layer_us * 1e-6))
 
     def allreduce_s(self, m: ModelShape, tp: int, tokens: int) -> float:
         """Tensor parallelism's two all-reduces of the hidden state per layer (not measured)."""
@@ -123,8 +150,10 @@ class GpuProfile:
 
     def measured_part_s(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float,
                         kv_bytes: float, decodes: int) -> float:
-        """What ``calibrate gpu`` times: one GPU's share of the step without the all-reduce."""
-        return self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes) - self.allreduce_s(m, tp, tokens)
+        """What ``calibrate gpu`` times: one GPU's share of the step, the stack's own
+        kernels, without the all-reduce."""
+        return (self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes, kernels="timed")
+                - self.allreduce_s(m, tp, tokens))
 
     def step_ns(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float,
                 decodes: int) -> int:
@@ -137,7 +166,8 @@ class GpuProfile:
 
     def token_s(self, m: ModelShape, tp: int) -> float:
         """GPU seconds per prompt token in a full batch, attention aside (the linear layers
-        at their FLOP rate and the per-token work): what a queue of prefill tokens costs."""
+        at their FLOP rate, waves full, and the per-token work): what a queue of prefill
+        tokens costs."""
         return 2.0 * m.params_nonembed / tp / (self.fit.gemm_tflops * 1e12) + m.layers * self.fit.token_layer_ns * 1e-9 / tp
 
     def derive(self, name: str, hbm_bytes: float, bandwidth_ratio: float, compute_ratio: float,
@@ -152,6 +182,64 @@ class GpuProfile:
                                   gemm_tflops=f.gemm_tflops * compute_ratio, attn_tflops=f.attn_tflops * compute_ratio)
         return dataclasses.replace(self, name=name, source=f"derived from {self.name} ({self.source})",
                                    hbm_bytes=hbm_bytes, fit=fit, notes=[why, *self.notes], measurements=[])
+
+
+# -- the linear layers: GEMMs as waves of tiles -----------------------------------------------
+
+SMS = 132  # the H100's and H200's SMs (GH100 SXM)
+# Tilings a GEMM may take (output rows x columns of one thread block) and split-K factors:
+# cuBLAS's Hopper kernels tile by 64 or 128 rows and 128 columns and split K for shapes of
+# few tiles; the model takes the fastest of them for each shape.
+TILES = ((64, 128), (128, 128))
+SPLITS = (1, 2, 3, 4, 6, 8)
+
+
+def gemm_shapes(m: ModelShape, tp: int) -> tuple[tuple[int, int], ...]:
+    """``(N, K)`` of a decoder layer's four GEMMs on one GPU of ``tp``: QKV, output,
+    gate-and-up, down (heads and MLP width divided by ``tp``, as gpucal builds them)."""
+    hq, hkv, dh = m.q_heads // tp, kv_heads_per_gpu(m, tp), m.head_dim
+    inter, h = m.intermediate // tp, m.hidden
+    return ((hq + 2 * hkv) * dh, h), (h, hq * dh), (2 * inter, h), (h, inter)
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_tilings(rows: int, n: int, k: int) -> tuple[tuple[float, float, float], ...]:
+    """Each tiling of a ``rows x k`` by ``k x n`` GEMM as ``(FLOPs of its waves, weight
+    bytes, split-K partial-sum bytes)``: the waves' FLOPs are what ``ceil(tiles * s / SMS)``
+    full waves would do, each SM working one ``tm x tn x k / s`` tile."""
+    out = []
+    for tm, tn in TILES:
+        tiles = -(-rows // tm) * -(-n // tn)
+        for s in SPLITS:
+            waves = -(-tiles * s // SMS)
+            out.append((waves * SMS * 2.0 * tm * tn * k / s, 2.0 * n * k, (s > 1) * 2 * s * rows * n * 4.0))
+    return tuple(out)
+
+
+def soft_max(a: float, b: float, k: float) -> float:
+    """``(a^k + b^k)^(1/k)`` without underflow."""
+    hi, lo = max(a, b), min(a, b)
+    return hi * (1.0 + (lo / hi) ** k) ** (1.0 / k) if hi > 0 else 0.0
+
+
+def gemm_s(f: "StepFit", tilings: tuple[tuple[float, float, float], ...]) -> float:
+    """A GEMM's seconds: its fastest tiling's waves and weight streaming, overlapped."""
+    bw, rate = f.weight_gb_s * 1e9, f.gemm_tflops * 1e12
+    return min(soft_max(w / rate, b / bw, f.knee) + r / bw for w, b, r in tilings)
+
+
+@functools.lru_cache(maxsize=65536)
+def linear_s(f: "StepFit", m: ModelShape, tp: int, tokens: int, seqs: int) -> float:
+    """The model's linear layers in one step on one GPU: ``L`` layers' four GEMMs over
+    ``tokens`` rows and the LM head over one row a sequence. A model kvsim cannot build
+    (no layer dims: MLA) is one GEMM of its active parameters, weights or FLOPs."""
+    if not m.buildable:
+        weights = m.step_weight_bytes / tp
+        flops = 2.0 * (m.params_nonembed * tokens + m.vocab * m.hidden * seqs) / tp
+        return soft_max(weights / (f.weight_gb_s * 1e9), flops / (f.gemm_tflops * 1e12), f.knee)
+    layer = sum(gemm_s(f, gemm_tilings(tokens, n, k)) for n, k in gemm_shapes(m, tp)) if tokens else 0.0
+    head = gemm_s(f, gemm_tilings(seqs, m.vocab // tp, m.hidden)) if seqs else 0.0
+    return m.layers * layer + head
 
 
 # Other GPUs, from the measured H200 by published ratios (vendor datasheets): the H100
@@ -197,6 +285,10 @@ def gpu_from_json(doc: Any, path: str) -> GpuProfile:
     try:
         kw = dict(doc)
         kw["fit"] = StepFit(**fit)
+        if "engine" in kw:
+            if not isinstance(kw["engine"], dict):
+                raise ValueError("engine must be an object")
+            kw["engine"] = EngineKernels(**kw["engine"])
         return GpuProfile(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where(path, doc)}: {e}") from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvoffload.cli_args import finite_number, integer_at_least, read_json, require
-from kvsim.gpu import GpuProfile, StepFit
+from kvsim.gpu import SMS, SPLITS, TILES, EngineKernels, GpuProfile, StepFit
 from kvsim.models import MODELS, ModelShape, get_model
 
 # The sizes kvsim's engine runs: chunks up to max_num_batched_tokens (8192), contexts up
@@ -492,6 +492,19 @@ def table(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) 
 # bandwidth taken as 80% of that, 360 GB/s, and vLLM's custom all-reduce for small
 # messages as about 10 us [est]).
 STEP_FIXED_MS = 4.0
+# What vLLM runs on Hopper instead of the stack's torch kernels (gpu.py, EngineKernels):
+# FlashAttention 3, whose paper (Shah et al. 2024, arXiv:2407.08608, abstract) reports it
+# 1.5-2.0x faster than FlashAttention 2 on the H100 in FP16/BF16; torch's flash SDPA, the
+# kernel timed, is FlashAttention 2. The middle of that range, 1.75, is taken [from the
+# paper, not measured here]. FA3 also splits a decoding context over thread blocks when
+# the sequences and KV heads alone do not fill the SMs (hopper/heuristics.h,
+# num_splits_heuristic), so its decode reads KV at the HBM's rate.
+ENGINE_KERNELS = EngineKernels(
+    attn_speedup=1.75, kv_split=True,
+    why="vLLM on Hopper runs FlashAttention 3, the stack timed torch's FlashAttention 2: prefill attention at "
+        "1.75x the rate timed (FA3 paper, arXiv:2407.08608: 1.5-2.0x FA2 on the H100 in FP16/BF16; the middle "
+        "taken, not measured), decode attention split over blocks (FA3's num_splits_heuristic) so its KV is read "
+        "at kv_gb_s however few sequences decode")
 ALLREDUCE_US, ALLREDUCE_GB_S = 10.0, 360.0
 # The H200's memory by its datasheet, 141 GB: what vLLM's 0.9 share is taken of.
 H200_HBM_BYTES = 141e9
@@ -547,6 +560,11 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
         f"fit: {len(used)} steps of {', '.join(sorted({'%s tp=%d' % (r['model'], r['tp']) for r in used}))} timed on "
         f"{gpu} (torch {mach.get('torch', '?')}, CUDA {mach.get('cuda', '-')}): {how}"
         + (f"; {len(recs) - len(used)} more not fitted, each saying why" if len(used) < len(recs) else ""),
+        f"linear layers: each GEMM (the layer's QKV, output, gate-up and down, the LM head) as waves of "
+        f"{'/'.join('%dx%d' % t for t in TILES)} tiles over {SMS} SMs, split-K {'/'.join(map(str, SPLITS))}, its fastest "
+        f"tiling; a wave at gemm_tflops {fit.gemm_tflops:.0f} ({fit.gemm_tflops / SMS:.2f} per SM), weights at "
+        f"weight_gb_s {fit.weight_gb_s:.0f}, soft maximum knee {fit.knee:.2f}",
+        f"engine kernels: {ENGINE_KERNELS.why}",
         f"step_fixed_ms {STEP_FIXED_MS}: the engine's host work per step, not measured (notes §4.4: 3-5 ms [est])",
         f"allreduce {ALLREDUCE_US} us + bytes at {ALLREDUCE_GB_S} GB/s: NVLink 4 (450 GB/s each way) at 80% [est]; "
         f"not measured (one GPU)",
@@ -561,13 +579,13 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
             f"decode attention: {fit.kv_head_gb_s:.1f} GB/s per thread block (one sequence's one KV head), up to "
             f"kv_gb_s {fit.kv_gb_s:.0f} from {fit.kv_gb_s / fit.kv_head_gb_s:.0f} blocks on: the kernel timed (torch "
             f"SDPA) streams a context in one block; FlashAttention 3, vLLM's on Hopper, splits a context over several "
-            f"blocks when too few fill the SMs (its num_splits_heuristic), so below that many blocks this is the "
-            f"kernel timed, likely slower than vLLM's")
+            f"blocks when too few fill the SMs (its num_splits_heuristic): the limit is the kernel timed's; the "
+            f"engine's step reads at kv_gb_s (engine kernels)")
     if "source" in mach:
         notes.append(f"measurements: {mach['source']}")
     commands = list(doc["commands"]) + ([refit] if refit else [])
     prof = GpuProfile(name, f"measured on {gpu}", hbm, fit, STEP_FIXED_MS, ALLREDUCE_US, ALLREDUCE_GB_S, notes,
-                      recs, commands, mach)
+                      recs, commands, mach, ENGINE_KERNELS)
     errors = [abs(predicted_ms(prof, r) / r["step_ms"] - 1) for r in fitted(recs)]
     text = table(prof, recs, tolerance) + (f"\nfit: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items())
                                            + f"; worst error {100 * max(errors):.1f}%, "

@@ -19,17 +19,15 @@ from kvsim.trace import TraceRequest
 
 PROFILE = Path(__file__).parents[1] / "kvsim" / "profiles" / "gpu_h200.json"
 TOLERANCE = 0.10
-# The measured steps the model does not bring within 10%, each within 15%: all in the
-# linear layers' knee (128 and 256 tokens), where cuBLAS picks its GEMM kernel by shape and
-# the measured times step unlike any one smooth knee (Qwen3-32B's shapes are slow at 128
-# tokens, Llama's fast at 256), and Llama-3-70B's 256-token chunk after 4,096 cached tokens,
-# 8.4 ms above the same chunk after none where 16,384 cost 10.7 (docs/kvsim.md, "The GPU's
-# step time").
+# The measured steps the model does not bring within 10%, each within 15%: two at 128
+# tokens on Qwen3-32B's TP=2 shapes, slower than any tiling of TILES x SPLITS over 132 SMs
+# makes them (cuBLAS's kernel for them is not the fastest the model finds), Llama-3-70B's
+# 256-token chunk (faster: the model's knee is soft there), and its 256-token chunk after
+# 4,096 cached tokens, 8.4 ms above the same chunk after none where 16,384 cost 10.7: not
+# the attention's FLOPs (docs/kvsim.md, "The GPU's step time").
 BEYOND_10 = {
     ("qwen3-32b", 2, "[[128, 0]]", "[0, 0]"), ("qwen3-32b", 2, "[]", "[128, 512]"),
-    ("qwen3-32b", 2, "[]", "[128, 2048]"), ("llama3-8b", 1, "[[256, 0]]", "[0, 0]"),
     ("llama3-70b", 4, "[[256, 0]]", "[0, 0]"), ("llama3-70b", 4, "[[256, 4096]]", "[0, 0]"),
-    ("llama3-70b", 4, "[]", "[256, 512]"),
 }
 
 
@@ -121,8 +119,8 @@ def test_the_engine_times_its_steps_with_the_profile():
 
 def test_tensor_parallelism_splits_the_work_and_adds_the_all_reduce():
     gpu, m = load_gpu("h200"), get_model("qwen3-32b")
-    one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0)
-    two = gpu.gpu_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0, 0)
+    one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0, "timed")
+    two = gpu.gpu_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0, 0, "timed")
     allreduce = 2 * m.layers * (gpu.allreduce_us * 1e-6 + 8192 * m.hidden * 2 / (gpu.allreduce_gb_s * 1e9))
     assert two == pytest.approx(gpu.measured_part_s(m, 2, 8192, 1, m.attention_flops(8192, 0), 0.0, 0) + allreduce)
     assert one / 2 < two < one
@@ -133,14 +131,41 @@ def test_decode_attention_reads_at_a_thread_blocks_rate_per_sequence_and_kv_head
     # until the blocks together reach the HBM's kv_gb_s.
     gpu, m = load_gpu("h200"), get_model("qwen3-32b")
     f = gpu.fit
-    assert gpu.kv_s_per_byte(m, 1, 1) == pytest.approx(1 / (8 * f.kv_head_gb_s * 1e9))
-    assert gpu.kv_s_per_byte(m, 2, 3) == pytest.approx(1 / (2 * 3 * 4 * f.kv_head_gb_s * 1e9))
-    assert gpu.kv_s_per_byte(m, 1, 512) == pytest.approx(1 / (f.kv_gb_s * 1e9))
-    assert gpu.kv_s_per_byte(m, 16, 1) == pytest.approx(1 / (16 * f.kv_head_gb_s * 1e9))  # one head replicated
+    t = "timed"
+    assert gpu.kv_s_per_byte(m, 1, 1, t) == pytest.approx(1 / (8 * f.kv_head_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 2, 3, t) == pytest.approx(1 / (2 * 3 * 4 * f.kv_head_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 1, 512, t) == pytest.approx(1 / (f.kv_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 16, 1, t) == pytest.approx(1 / (16 * f.kv_head_gb_s * 1e9))  # one head replicated
     # A decode step with the same KV spread over more sequences is no slower.
     kv = 16 * 4096 * m.kv_bytes_per_token
-    times = [gpu.gpu_s(m, 1, b, b, 0.0, kv, b) for b in (1, 2, 4, 16)]
-    assert times[0] > times[1] > times[2] and gpu.kv_s_per_byte(m, 1, 16) <= gpu.kv_s_per_byte(m, 1, 4)
+    times = [gpu.gpu_s(m, 1, b, b, 0.0, kv, b, t) for b in (1, 2, 4, 16)]
+    assert times[0] > times[1] > times[2] and gpu.kv_s_per_byte(m, 1, 16, t) <= gpu.kv_s_per_byte(m, 1, 4, t)
+
+
+def test_the_engine_runs_vllms_attention_not_the_stack_timed():
+    # vLLM's FlashAttention 3 splits a context over blocks: one sequence reads at the HBM's
+    # rate; prefill attention runs at the stated multiple of the rate timed.
+    gpu, m = load_gpu("h200"), get_model("qwen3-32b")
+    assert gpu.engine.kv_split and gpu.engine.attn_speedup == pytest.approx(1.75)
+    assert gpu.kv_s_per_byte(m, 1, 1) == pytest.approx(1 / (gpu.fit.kv_gb_s * 1e9))
+    assert gpu.kv_s_per_byte(m, 1, 1) < gpu.kv_s_per_byte(m, 1, 1, "timed")
+    flops = m.attention_flops(2048, 16384)
+    engine = gpu.gpu_s(m, 1, 2048, 1, flops, 0.0, 0) - gpu.gpu_s(m, 1, 2048, 1, 0.0, 0.0, 0)
+    timed = gpu.gpu_s(m, 1, 2048, 1, flops, 0.0, 0, "timed") - gpu.gpu_s(m, 1, 2048, 1, 0.0, 0.0, 0, "timed")
+    assert timed / engine == pytest.approx(1.75)
+    # What calibrate gpu fits is the stack's own kernels.
+    assert gpu.measured_part_s(m, 1, 1, 1, 0.0, 16384 * m.kv_bytes_per_token, 1) == pytest.approx(
+        gpu.gpu_s(m, 1, 1, 1, 0.0, 16384 * m.kv_bytes_per_token, 1, "timed"))
+
+
+def test_a_gemm_pays_for_a_second_wave_of_tiles():
+    # Wave quantization: 132 SMs; a shape whose tiles just exceed a wave costs more per token.
+    from kvsim.gpu import SMS, gemm_s, gemm_tilings
+    f = load_gpu("h200").fit
+    assert SMS == 132
+    one, over = gemm_s(f, gemm_tilings(128, 132 * 128, 8192)), gemm_s(f, gemm_tilings(128, 133 * 128, 8192))
+    big = gemm_s(f, gemm_tilings(8192, 132 * 128, 8192))
+    assert over > one and big / 64 < over
 
 
 def test_the_h100_is_the_h200_by_the_datasheets_ratios():
