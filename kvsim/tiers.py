@@ -24,11 +24,11 @@ from kvsim.profile import SEALS
 MiB = 1 << 20
 # kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
 KVOFFLOAD_IO_THREADS = 8
-KVOFFLOAD_IO_UNIT_BYTES = 16 * MiB
+KVOFFLOAD_IO_UNIT_BYTES = 32 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
-# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES): the same 16 MiB units
+# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES): the same 32 MiB units
 # since they were measured in a busy engine. A test keeps it equal.
-KVOFFLOAD_TIER_IO_UNIT_BYTES = 16 * MiB
+KVOFFLOAD_TIER_IO_UNIT_BYTES = 32 * MiB
 KINDS = ("cpu", "disk", "vllm-disk")
 MAX_OPTION = 1024  # threads=, ios-per-thread=, paths=
 # Options each kind accepts; a flag that would do nothing is refused.
