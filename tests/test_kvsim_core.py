@@ -139,16 +139,17 @@ def _lone_load_ns(text: str, profile=NVME, n: int = 64) -> int:
 
 def test_kvoffload_units_over_threads_reach_the_drive_rate_not_the_qd1_rate():
     # Goal: vLLM 0.33 reads a job block by block with one IO in flight (the QD1
-    # rate); kvoffload's 16 MiB units spread over 8 threads keep 8 IOs in flight
-    # and reach the drive's rate. An idle drive is not split: one thread alone is
-    # as fast as the QD1 rate allows, not 1/8 of the drive.
-    b, n = BLOCK_BYTES, 64
+    # rate); kvoffload's 32 MiB units spread over 8 threads keep 8 IOs in flight
+    # (a job of 128 blocks of 2 MiB: 8 units) and reach the drive's rate. An idle
+    # drive is not split: one thread alone is as fast as the QD1 rate allows, not
+    # 1/8 of the drive.
+    b, n = BLOCK_BYTES, 128
     d = NVME.disk_read
     qd1 = n * (d.latency_us * 1e3 + b / (d.qd1_gib_s * GiB / 1e9))
     device = n * b / (d.max_gib_s * GiB / 1e9)
-    assert _lone_load_ns("vllm-disk:4GiB") >= qd1
-    assert _lone_load_ns("disk:4GiB:threads=1:seal=off") < qd1 * 1.15
-    assert device <= _lone_load_ns("disk:4GiB:seal=off") < qd1 / 2
+    assert _lone_load_ns("vllm-disk:4GiB", n=n) >= qd1
+    assert _lone_load_ns("disk:4GiB:threads=1:seal=off", n=n) < qd1 * 1.15
+    assert device <= _lone_load_ns("disk:4GiB:seal=off", n=n) < qd1 / 2
 
 
 def test_a_page_cache_hit_is_faster_than_the_drive_and_sealing_costs_time():

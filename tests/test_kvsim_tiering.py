@@ -24,7 +24,7 @@ def test_a_two_level_spec_parses_into_its_levels():
     assert (t.kind, t.capacity_bytes, t.pipeline, t.text) == ("cpu", 8 << 30, None,
                                                               "cpu:8GiB+disk:100GB:pagecache:threads=4")
     # The disk level is kvoffload's tier: the disk backend's pipeline with the tier's IO units.
-    alone = parse_tier("disk:100GB:pagecache:threads=4:unit=16MiB")
+    alone = parse_tier("disk:100GB:pagecache:threads=4:unit=32MiB")
     assert (t.secondary.kind, t.secondary.capacity_bytes, t.secondary.pipeline) == (
         alone.kind, alone.capacity_bytes, alone.pipeline)
     assert t.page_cache  # --host-free applies to its disk level
