@@ -7,17 +7,11 @@
 #   OUT=/dir bash scripts/h200_final.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1
-echo "build: $(cat .whl/COMMIT 2>/dev/null)" > "$OUT/env.txt"
+. scripts/h200_wheel.sh
 # One RAM drive, built as the notes say (fully allocated image, eager ext4 init).
 fallocate -l 12G /dev/shm/pd.img && L=$(losetup -f --show /dev/shm/pd.img) && mkfs.ext4 -q -F -m 0 \
   -E lazy_itable_init=0,lazy_journal_init=0 "$L" && mkdir -p /mnt/pd && mount "$L" /mnt/pd || echo "ram drive failed"
-mv kvoffload /tmp/kvoffload.checkout
-trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
-PYTHONPATH=/tmp/site python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" \
-  | tee -a "$OUT/env.txt"
+wheel_only
 PYTHONPATH=/tmp/site KVOFFLOAD_REQUIRE_NATIVE=1 timeout 120 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_wheel.log" 2>&1; echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
 mkdir -p -m 700 /mnt/pd/persist
@@ -29,7 +23,7 @@ PYTHONPATH=/tmp/site timeout 140 python3 -m kvoffload.bench --make-array 4 --arr
   --engine-seconds 0.6 --engine-max-repeats 3 --engine-shares 0.75 --engine-paths gpu,tier,raw --only engine --json \
   > "$OUT/engine4.json" 2> /dev/null; echo "engine group rc=$?"
 PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine4.json"
-mv /tmp/kvoffload.checkout kvoffload; trap - EXIT
+checkout_back
 PYTHONPATH=.:/tmp/site KVOFFLOAD_NATIVE_IO=off timeout 100 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_checkout.log" 2>&1; echo "cuda tests, the plain checkout (Python path): rc=$? $(tail -1 "$OUT/cuda_checkout.log")"
 umount /mnt/pd 2>/dev/null; losetup -d "$L" 2>/dev/null; rm -f /dev/shm/pd.img

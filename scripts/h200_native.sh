@@ -8,16 +8,11 @@
 #   OUT=/dir bash scripts/h200_native.sh [--kvsim]
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1
-{ echo "build: $(cat .whl/COMMIT 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. scripts/h200_wheel.sh
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, platform; print('torch', torch.__version__, 'python', platform.python_version())"
-  lscpu | grep -E "Model name|^CPU\(s\)"; } > "$OUT/env.txt" 2>&1
-mv kvoffload /tmp/kvoffload.checkout
-trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
-PYTHONPATH=/tmp/site python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" \
-  | tee -a "$OUT/env.txt"
+  lscpu | grep -E "Model name|^CPU\(s\)"; } >> "$OUT/env.txt" 2>&1
+wheel_only
 PYTHONPATH=/tmp/site KVOFFLOAD_REQUIRE_NATIVE=1 timeout 220 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_wheel.log" 2>&1; echo "cuda tests, the wheel (native core): rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
 PYTHONPATH=/tmp/site timeout 60 python3 -m kvoffload.bench --only seal --seals aes-gcm --case-seconds 1 --runs 3 --json \
@@ -33,7 +28,7 @@ for n in 1 4; do
     > "$OUT/engine$n.json" 2> "$OUT/engine$n.log"; echo "engine group, $n drive(s): rc=$?"
 done
 PYTHONPATH=/tmp/site python3 scripts/engine_summary.py "$OUT/engine1.json" "$OUT/engine4.json"
-mv /tmp/kvoffload.checkout kvoffload; trap - EXIT
+checkout_back
 PYTHONPATH=.:/tmp/site KVOFFLOAD_NATIVE_IO=off timeout 220 python3 -m pytest -m cuda -q -p no:cacheprovider -x \
   > "$OUT/cuda_checkout.log" 2>&1; echo "cuda tests, the plain checkout (Python path): rc=$? $(tail -1 "$OUT/cuda_checkout.log")"
 if [ "${1:-}" = "--kvsim" ]; then

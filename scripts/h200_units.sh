@@ -7,13 +7,9 @@
 #     bash scripts/h200_units.sh
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
-echo "build: $(cat .whl/COMMIT 2>/dev/null)" > "$OUT/env.txt"
-mv kvoffload /tmp/kvoffload.checkout
-trap 'mv /tmp/kvoffload.checkout kvoffload 2>/dev/null' EXIT
-python3 -c "import kvoffload, kvoffload.native_io as n; print('wheel:', kvoffload.__file__, n.core().describe())" | tee -a "$OUT/env.txt"
+. scripts/h200_wheel.sh
+wheel_only
+export PYTHONPATH=/tmp/site
 if [ "${CUDA_TESTS:-0}" = 1 ]; then
   KVOFFLOAD_REQUIRE_NATIVE=1 timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider -x > "$OUT/cuda_wheel.log" 2>&1
   echo "cuda tests, the wheel: rc=$? $(tail -1 "$OUT/cuda_wheel.log")"
