@@ -18,8 +18,7 @@ pytest.importorskip("vllm")
 
 from kvoffload.persist import INDEX_SUFFIX, PersistError  # noqa: E402
 from tests.test_vllm_scheduler import MAX_TOKENS, SHARED, assert_sound  # noqa: E402
-from tests.vllm_harness import (BLOCK_SIZE, CpuEngine, EngineSpec, engine_configs, prompt,  # noqa: E402
-                                slot_bytes)
+from tests.vllm_harness import CpuEngine, EngineSpec, engine_configs, prompt, slot_bytes  # noqa: E402
 
 FILE_MODES = [pytest.param(False, id="o_direct"), pytest.param(True, id="page_cache")]
 
@@ -50,6 +49,15 @@ def run_one(tmp_path, monkeypatch, use_page_cache: bool, extra: dict) -> list[in
     return tokens
 
 
+def serve_b(eng: CpuEngine, loads: int, recomputed: bool) -> None:
+    """Run two's request "b": the shared prefix and another tail; with ``recomputed`` every
+    prompt token is computed, else only the 20-token tail."""
+    tokens = SHARED + prompt(3, 20)
+    eng.add("b", tokens, MAX_TOKENS)
+    eng.run()
+    assert_sound(eng, "b", tokens, computed=(len(tokens) if recomputed else 20) + MAX_TOKENS - 1, loads=loads)
+
+
 def restored_metrics(eng: CpuEngine) -> dict:
     eng.step()  # the first step's stats carry what start-up restored
     data = {}
@@ -77,10 +85,7 @@ def test_a_restarted_server_loads_prefixes_stored_before_it(tmp_path, monkeypatc
         assert len(cached) == len(pool.cached_block_hash_to_block) == 5  # a's 5 full shared-prefix blocks
         queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         assert queue[-5:] == cached, "restored blocks must queue behind the empty slots"
-        tokens = SHARED + prompt(3, 20)
-        eng.add("b", tokens, MAX_TOKENS)
-        eng.run()
-        assert_sound(eng, "b", tokens, computed=20 + MAX_TOKENS - 1, loads=1)
+        serve_b(eng, loads=1, recomputed=False)
         assert restored_metrics(eng)[("vllm:kvoffload_restored_blocks_total", ())] == 5
     finally:
         eng.shutdown()
@@ -98,10 +103,7 @@ def test_a_changed_block_on_disk_is_recomputed_after_the_restart(tmp_path, monke
     data.write_bytes(blob)
     eng = CpuEngine(tmp_path, monkeypatch, EngineSpec(extra=extra))
     try:
-        tokens = SHARED + prompt(3, 20)
-        eng.add("b", tokens, MAX_TOKENS)
-        eng.run()
-        assert_sound(eng, "b", tokens, computed=len(tokens) + MAX_TOKENS - 1, loads=1)
+        serve_b(eng, loads=1, recomputed=True)
     finally:
         eng.shutdown()
 
@@ -146,10 +148,6 @@ def test_without_persist_a_restart_starts_empty(tmp_path, monkeypatch):
     assert [n for n in os.listdir(tmp_path) if n.startswith("kv")] == []
     eng = CpuEngine(tmp_path, monkeypatch, EngineSpec())
     try:
-        tokens = SHARED + prompt(3, 20)
-        eng.add("b", tokens, MAX_TOKENS)
-        eng.run()
-        assert_sound(eng, "b", tokens, computed=len(tokens) + MAX_TOKENS - 1, loads=0)
+        serve_b(eng, loads=0, recomputed=True)
     finally:
         eng.shutdown()
-    assert BLOCK_SIZE  # the harness's geometry
