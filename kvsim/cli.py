@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop timing new shapes after this many seconds (default 200)")
     gg.add_argument("--device", choices=("cuda", "cpu"), help="where to time (default cuda; cpu with --smoke "
                                                              "checks the code path)")
+    gg.add_argument("--kernels", type=cli_args.Names(("eager", "compiled")), metavar="KIND,...",
+                    help="the layers' own ops to time each step with: eager (each torch op its own kernel) and/or "
+                         "compiled (fused by torch.compile, as vLLM runs them); default eager")
     gg.add_argument("--smoke", action="store_true", help="a few tiny shapes: every code path once, no real timing")
     gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE,
                     help="fit to the measurements in FILE (a GPU profile or a `calibrate gpu` output) instead of "
@@ -389,7 +392,8 @@ def _hitrate(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     if a.bench == "gpu":
         return _calibrate_gpu(a)
-    _refuse(a, ("models", "depth", "budget_s", "device", "measurements"), "GPU flags; they need calibrate gpu")
+    _refuse(a, ("models", "depth", "budget_s", "device", "measurements", "kernels"),
+            "GPU flags; they need calibrate gpu")
     if a.smoke:
         raise ValueError("--smoke: a GPU flag; it needs calibrate gpu")
     name = a.name or Path(a.out or a.bench).stem.replace("_", "-")
@@ -413,7 +417,8 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
     _refuse(a, ("base", "drives"), "IO flags; they need calibrate BENCH.json")
     command = "python -m kvsim " + " ".join(sys.argv[1:] if a.argv is None else a.argv)
     if a.measurements:
-        _refuse(a, ("models", "depth", "budget_s", "device"), "timing flags; --measurements fits without timing")
+        _refuse(a, ("models", "depth", "budget_s", "device", "kernels"),
+                "timing flags; --measurements fits without timing")
         if a.smoke:
             raise ValueError("--smoke: a timing flag; --measurements fits without timing")
         doc = gpucal.read_measurements(a.measurements)
@@ -426,7 +431,7 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
         models = [(get_model(m.split(":")[0]), int(m.split(":tp")[1]) if ":tp" in m else 1)
                   for m in (a.models or CAL_MODELS)]
         doc = gpucal.run(models, a.out, device, a.depth or 4, a.budget_s or 200.0, a.smoke, command,
-                         cli_args.write_output)
+                         cli_args.write_output, a.kernels or ("eager",))
     name = a.name or (Path(a.out).stem.replace("_", "-").removeprefix("gpu-") if a.out else "gpu")
     profile, text = gpucal.profile_of(doc, name, command if a.measurements else None)
     if a.out:

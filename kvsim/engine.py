@@ -220,12 +220,11 @@ class Engine:
         # Only the KV read grows from step to step (gpu.py's decode_parts): it runs for most steps.
         limit = min(r.output - r.generated for r in batch.decodes)
         const, per_kv_byte = self.profile.decode_parts(m, self.hw.tp, n_dec, n_dec, n_dec)
-        const += self.profile.step_fixed_ms * 1e-3
         end = math.inf if t_next is None else t_next - now
         total, steps = dur, 1
         while steps < limit and total < end:
             ctx += n_dec
-            total += round((const + ctx * kvb * per_kv_byte) * 1e9)
+            total += self.profile.with_host_ns(const + ctx * kvb * per_kv_byte)
             steps += 1
         batch.steps = steps
         return total

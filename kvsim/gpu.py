@@ -8,7 +8,8 @@ tokens of ``S`` sequences: prefill chunks and ``D`` decode tokens together. Its 
             + KV / min(kv_rate, D * H_kv * kv_head_rate)       decode's reads of the cached KV
   + per token T * L * token_layer, per layer L * layer          norms, RoPE, small kernels
   + all-reduce 2 L (allreduce + T * hidden * 2 / allreduce_rate) when tp > 1
-  + host      step_fixed                                       scheduling, sampling [est]
+  step = max(host step_fixed, the GPU's sum above)           scheduling, sampling [est],
+                                                               overlapped (vLLM's async scheduling)
 
 A GEMM of ``M`` tokens by a weight of ``K`` inputs and ``N`` outputs (per GPU: the
 layer's QKV, output, gate-and-up and down projections with heads and MLP width divided
@@ -158,7 +159,14 @@ class GpuProfile:
     def step_ns(self, m: ModelShape, tp: int, tokens: int, seqs: int, attn_flops: float, kv_bytes: float,
                 decodes: int) -> int:
         """One engine step, host work included, in ns."""
-        return round((self.step_fixed_ms * 1e-3 + self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes)) * 1e9)
+        return self.with_host_ns(self.gpu_s(m, tp, tokens, seqs, attn_flops, kv_bytes, decodes))
+
+    def with_host_ns(self, gpu_s: float) -> int:
+        """A step of ``gpu_s`` seconds of GPU work, in ns, the host's work overlapped: vLLM's
+        async scheduling (on by default since v0.14, vLLM PR #27614; in the v0.19.1 and
+        v0.23.0 of llm-d's manifests and the 0.33 kvoffload runs on) prepares step t+1
+        while the GPU runs step t, so a step lasts the longer of the two."""
+        return round(max(self.step_fixed_ms * 1e-3, gpu_s) * 1e9)
 
     def prefill_s(self, m: ModelShape, tp: int, n_new: int, n_ctx: int) -> float:
         """GPU seconds of a lone prefill of ``n_new`` tokens after ``n_ctx`` cached ones."""

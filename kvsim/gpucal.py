@@ -98,6 +98,7 @@ class Measurement:
     tokens: int = 0
     seqs: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kernels: str = "eager"  # the layers' own ops: each its own kernel, or fused by torch.compile
 
 
 def _torch():
@@ -138,6 +139,14 @@ class LayerStack:
         self.embed = w(vocab, h)
         self.lm_head = w(h, vocab)
         self.final_norm = torch.ones(h, device=device, dtype=dt)
+        # vLLM compiles each layer's code between attention calls with torch.compile
+        # (inductor, the token count symbolic) and replays the pieces from CUDA graphs:
+        # the "compiled" kernels time that, the norms, RoPE, SiLU and residual adds fused
+        # by inductor around the same GEMMs; "eager" runs each torch op as its own kernel.
+        # (torch.compile is lazy: nothing compiles until a "compiled" step runs.)
+        self.kernels = {"eager": (self._pre, self._post),
+                        "compiled": (torch.compile(self._pre, dynamic=True, fullgraph=True),
+                                     torch.compile(self._post, dynamic=True, fullgraph=True))}
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -164,27 +173,37 @@ class LayerStack:
                     sin=torch.cat([ang.sin()] * 2, dim=-1).to(dt)[:, None, :],
                     caches=caches, point=p)
 
-    def stack(self, inp: dict[str, Any], attention: Callable) -> Any:
-        """The layers' forward over the step's tokens."""
-        torch = self.torch
-        F = torch.nn.functional
+    def stack(self, inp: dict[str, Any], attention: Callable, kernels: str = "eager") -> Any:
+        """The layers' forward over the step's tokens, with the ``kernels`` named."""
         x, cos, sin = inp["x"], inp["cos"], inp["sin"]
-        t, hq, hkv, dh = x.shape[0], self.hq, self.hkv, self.dh
+        pre, post = self.kernels[kernels]
         for layer, cache in zip(self.layers, inp["caches"]):
-            hs = F.rms_norm(x, (x.shape[-1],), layer["ln1"], 1e-6)
-            q, k, v = (hs @ layer["qkv"]).split([hq * dh, hkv * dh, hkv * dh], dim=-1)
-            q, k, v = q.view(t, hq, dh), k.view(t, hkv, dh), v.view(t, hkv, dh)
-            if layer["qn"] is not None:
-                q = F.rms_norm(q, (dh,), layer["qn"], 1e-6)
-                k = F.rms_norm(k, (dh,), layer["kn"], 1e-6)
-            q = q * cos + torch.cat([-q[..., dh // 2:], q[..., : dh // 2]], dim=-1) * sin
-            k = k * cos + torch.cat([-k[..., dh // 2:], k[..., : dh // 2]], dim=-1) * sin
-            o = attention(q, k, v, cache, inp["point"])
-            x = x + o @ layer["o"]
-            hs = F.rms_norm(x, (x.shape[-1],), layer["ln2"], 1e-6)
-            gate, up = (hs @ layer["gate_up"]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer["down"]
+            q, k, v = pre(x, layer["ln1"], layer["qkv"], layer["qn"], layer["kn"], cos, sin)
+            x = post(x, attention(q, k, v, cache, inp["point"]), layer["o"], layer["ln2"], layer["gate_up"],
+                          layer["down"])
         return x
+
+    def _pre(self, x, ln1, qkv, qn, kn, cos, sin):
+        """A layer before attention: RMSNorm, the QKV GEMM, q/k RMSNorm, RoPE."""
+        F = self.torch.nn.functional
+        t, hq, hkv, dh = x.shape[0], self.hq, self.hkv, self.dh
+        hs = F.rms_norm(x, (x.shape[-1],), ln1, 1e-6)
+        q, k, v = (hs @ qkv).split([hq * dh, hkv * dh, hkv * dh], dim=-1)
+        q, k, v = q.view(t, hq, dh), k.view(t, hkv, dh), v.view(t, hkv, dh)
+        if qn is not None:
+            q = F.rms_norm(q, (dh,), qn, 1e-6)
+            k = F.rms_norm(k, (dh,), kn, 1e-6)
+        q = q * cos + self.torch.cat([-q[..., dh // 2:], q[..., : dh // 2]], dim=-1) * sin
+        k = k * cos + self.torch.cat([-k[..., dh // 2:], k[..., : dh // 2]], dim=-1) * sin
+        return q, k, v
+
+    def _post(self, x, o, wo, ln2, gate_up, down):
+        """A layer after attention: the output GEMM, the residual, RMSNorm, the MLP, the residual."""
+        F = self.torch.nn.functional
+        x = x + o @ wo
+        hs = F.rms_norm(x, (x.shape[-1],), ln2, 1e-6)
+        gate, up = (hs @ gate_up).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ down
 
     def head(self, inp: dict[str, Any]) -> Any:
         """Embedding rows of the step's tokens, the final norm, logits of one token per sequence."""
@@ -321,15 +340,24 @@ def _time(torch, fn: Callable[[], Any], device: str, warmup: int, repeats: int) 
 
 def measure(m: ModelShape, tp: int, points: Sequence[Point], device: str = "cuda", depth: int = 4,
             warmup: int = 3, repeats: int = 15, deadline: float = math.inf,
-            say: Callable[[str], None] = print) -> list[Measurement]:
-    """Time each point's step of ``m`` at ``tp``; stop before ``deadline`` (time.monotonic)."""
+            say: Callable[[str], None] = print, kernels: Sequence[str] = ("eager",)) -> list[Measurement]:
+    """Time each point's step of ``m`` at ``tp`` with each of ``kernels`` in turn (a point's
+    kernels timed one after the other, so that they compare on the same machine state);
+    stop before ``deadline`` (time.monotonic)."""
     torch = _torch()
+    if "compiled" in kernels:
+        # Each stack compiles its own shapes: none of an earlier stack's graphs kept, and no
+        # recompilation limit reached (past it torch would run the ops eagerly, unsaid).
+        torch._dynamo.reset()
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, limit, max(getattr(cfg, limit), 64))
     st = LayerStack(m, tp, depth, device)
     paths = _sdpa_paths(torch)
     out = []
     for p in points:
         if time.monotonic() > deadline:
-            say(f"  {m.name} tp={tp}: time budget spent, {len(points) - len(out)} shapes not timed")
+            say(f"  {m.name} tp={tp}: time budget spent, {len(points) - len(out) // len(kernels)} shapes not timed")
             break
         inp = st.inputs(p)
         chosen, err = None, None
@@ -347,18 +375,11 @@ def measure(m: ModelShape, tp: int, points: Sequence[Point], device: str = "cuda
             if chosen is None:
                 say(f"  {m.name} tp={tp} {p}: no attention path ran ({type(err).__name__}: {err}); skipped")
                 continue
-            stack_ms, graphed = _time(torch, lambda: st.stack(inp, attention), device, warmup, repeats)
             head_ms, _ = _time(torch, lambda: st.head(inp), device, warmup, repeats)
-        med, head = statistics.median(stack_ms), statistics.median(head_ms)
-        r = Measurement(m.name, tp, [list(x) for x in p.prefills], list(p.decode), depth, round(med, 5),
-                        [round(min(stack_ms), 5), round(max(stack_ms), 5)], round(head, 5),
-                        round(head + m.layers / depth * med, 4), ("sdpa-" + chosen) if p.prefills else "sdpa-grouped",
-                        graphed, repeats, p.kind, p.tokens, p.seqs, {"kernel": _kernel(torch, st, p)})
-        out.append(r)
-        say(f"  {m.name:10} tp={tp} {p.kind:7} pre={r.prefills!s:16} dec={r.decode!s:12} step {r.step_ms:9.3f} ms "
-            f"(stack {med:.3f} [{min(stack_ms):.3f}-{max(stack_ms):.3f}], head {head:.3f}; {r.attention} "
-            f"{r.extra['kernel']}"
-            f"{'' if graphed or device == 'cpu' else ', eager'})")
+            for kind in kernels:
+                stack_ms, graphed = _time(torch, lambda: st.stack(inp, attention, kind), device, warmup, repeats)
+                out.append(_record(m, tp, p, depth, stack_ms, head_ms, chosen, graphed, repeats, kind,
+                                   _kernel(torch, st, p), device, say))
         del inp
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -366,6 +387,20 @@ def measure(m: ModelShape, tp: int, points: Sequence[Point], device: str = "cuda
     if device != "cpu":
         torch.cuda.empty_cache()
     return out
+
+
+def _record(m: ModelShape, tp: int, p: Point, depth: int, stack_ms: list[float], head_ms: list[float], chosen: str,
+            graphed: bool, repeats: int, kernels: str, kernel: str, device: str,
+            say: Callable[[str], None]) -> Measurement:
+    med, head = statistics.median(stack_ms), statistics.median(head_ms)
+    r = Measurement(m.name, tp, [list(x) for x in p.prefills], list(p.decode), depth, round(med, 5),
+                    [round(min(stack_ms), 5), round(max(stack_ms), 5)], round(head, 5),
+                    round(head + m.layers / depth * med, 4), ("sdpa-" + chosen) if p.prefills else "sdpa-grouped",
+                    graphed, repeats, p.kind, p.tokens, p.seqs, {"kernel": kernel}, kernels)
+    say(f"  {m.name:10} tp={tp} {kernels:8} {p.kind:7} pre={r.prefills!s:16} dec={r.decode!s:12} step "
+        f"{r.step_ms:9.3f} ms (stack {med:.3f} [{min(stack_ms):.3f}-{max(stack_ms):.3f}], head {head:.3f}; "
+        f"{r.attention} {kernel}{'' if graphed or device == 'cpu' else ', eager'})")
+    return r
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -380,7 +415,8 @@ def machine(device: str) -> dict[str, Any]:
 
 
 def run(models: Iterable[tuple[ModelShape, int]], out_path: Optional[str], device: str, depth: int, budget_s: float,
-        smoke: bool, command: str, write: Callable[[str, str], None]) -> dict[str, Any]:
+        smoke: bool, command: str, write: Callable[[str, str], None],
+        kernels: Sequence[str] = ("eager",)) -> dict[str, Any]:
     """Measure every (model, tp) in turn, rewriting ``out_path`` after each so that a run cut
     short still leaves what it measured; return the document."""
     deadline = time.monotonic() + budget_s
@@ -388,7 +424,7 @@ def run(models: Iterable[tuple[ModelShape, int]], out_path: Optional[str], devic
     print(f"kvsim: calibrate gpu on {doc['machine'].get('gpu', device)}, torch {doc['machine']['torch']}", file=sys.stderr)
     for m, tp in models:
         res = measure(m, tp, grid(smoke), device, depth, deadline=deadline,
-                      say=lambda s: print(s, file=sys.stderr, flush=True))
+                      say=lambda s: print(s, file=sys.stderr, flush=True), kernels=kernels)
         doc["measurements"] += [vars(r) for r in res]
         if out_path:
             write(out_path, json.dumps(doc, indent=1) + "\n")
@@ -419,9 +455,17 @@ def predicted_ms(gpu: GpuProfile, rec: dict[str, Any]) -> float:
     return gpu.measured_part_s(*_shape(rec)) * 1e3
 
 
+def fit_kernels(records: Sequence[dict[str, Any]]) -> str:
+    """The kernels a profile is fitted to: the compiled layers, what vLLM runs, when any
+    were timed; else the eager ones (an older run's measurements)."""
+    return "compiled" if any(r.get("kernels") == "compiled" for r in records) else "eager"
+
+
 def fitted(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records a fit uses: all but those marked ``excluded`` (with the reason)."""
-    return [r for r in records if not r.get("excluded")]
+    """The records a fit uses: those of ``fit_kernels``, but for those marked ``excluded``
+    (with the reason); a step timed with the other kernels stays beside it, for the ratio."""
+    kind = fit_kernels(records)
+    return [r for r in records if not r.get("excluded") and r.get("kernels", "eager") == kind]
 
 
 def fit_step(records: Sequence[dict[str, Any]], iterations: int = 300) -> StepFit:
@@ -474,13 +518,15 @@ def _profile(fit: StepFit) -> GpuProfile:
 
 def table(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) -> str:
     """Measured against fitted step times, one row a step, ``!`` past ``tolerance``."""
-    lines = [f"{'model':10} {'tp':>2} {'kind':7} {'prefill (new, cached)':22} {'decode (seqs, ctx)':18} "
+    lines = [f"{'model':10} {'tp':>2} {'kernels':8} {'kind':7} {'prefill (new, cached)':22} {'decode (seqs, ctx)':18} "
              f"{'measured ms':>11} {'profile ms':>10} {'error':>7}"]
     for r in records:
         p = predicted_ms(gpu, r)
         err = p / r["step_ms"] - 1
-        mark = " (not fitted)" if r.get("excluded") else " !" if abs(err) > tolerance else ""
-        lines.append(f"{r['model']:10} {r['tp']:>2} {r.get('kind', ''):7} {str(r['prefills']):22} "
+        kind = r.get("kernels", "eager")
+        mark = (" (not fitted)" if r.get("excluded") or kind != fit_kernels(records) else
+                " !" if abs(err) > tolerance else "")
+        lines.append(f"{r['model']:10} {r['tp']:>2} {kind:8} {r.get('kind', ''):7} {str(r['prefills']):22} "
                      f"{str(r['decode']):18} {r['step_ms']:11.3f} {p:10.3f} {100 * err:+6.1f}%{mark}")
     return "\n".join(lines)
 
@@ -539,6 +585,8 @@ def read_measurements(path: str) -> dict[str, Any]:
         require(isinstance(d, list) and len(d) == 2 and all(integer_at_least(x, 0) for x in d), path, r, "decode",
                 "decode must be [sequences >= 0, context >= 0]")
         require(finite_number(r.get("step_ms")) and r["step_ms"] > 0, path, r, "step_ms", "step_ms must be > 0")
+        require(r.get("kernels", "eager") in ("eager", "compiled"), path, r, "kernels",
+                "kernels must be \"eager\" or \"compiled\"")
     require(len(fitted(doc["measurements"])) > 0, path, doc, "measurements", "no measurements to fit")
     return {"commands": [c for c in doc.get("commands", []) if isinstance(c, str)],
             "machine": doc.get("machine") if isinstance(doc.get("machine"), dict) else {},
@@ -556,16 +604,23 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     how = mach.get("method") or ("layer stacks of random bf16 weights replayed from CUDA graphs, median of the "
                                  "replays, scaled to the full depth (kvsim/gpucal.py)")
     used = fitted(recs)
+    kind = fit_kernels(recs)
+    other = sum(r.get("kernels", "eager") != kind for r in recs)
+    layers = ("the layers' ops fused by torch.compile (inductor, token count symbolic), as vLLM compiles them"
+              if kind == "compiled" else "each of the layers' torch ops its own kernel (eager)")
     notes = [
         f"fit: {len(used)} steps of {', '.join(sorted({'%s tp=%d' % (r['model'], r['tp']) for r in used}))} timed on "
-        f"{gpu} (torch {mach.get('torch', '?')}, CUDA {mach.get('cuda', '-')}): {how}"
-        + (f"; {len(recs) - len(used)} more not fitted, each saying why" if len(used) < len(recs) else ""),
+        f"{gpu} (torch {mach.get('torch', '?')}, CUDA {mach.get('cuda', '-')}): {how}; {layers}"
+        + (f"; {other} steps timed with the other kernels beside them, not fitted (their ratio)" if other else "")
+        + (f"; {len(recs) - len(used) - other} more not fitted, each saying why"
+           if len(recs) - len(used) - other else ""),
         f"linear layers: each GEMM (the layer's QKV, output, gate-up and down, the LM head) as waves of "
         f"{'/'.join('%dx%d' % t for t in TILES)} tiles over {SMS} SMs, split-K {'/'.join(map(str, SPLITS))}, its fastest "
         f"tiling; a wave at gemm_tflops {fit.gemm_tflops:.0f} ({fit.gemm_tflops / SMS:.2f} per SM), weights at "
         f"weight_gb_s {fit.weight_gb_s:.0f}, soft maximum knee {fit.knee:.2f}",
         f"engine kernels: {ENGINE_KERNELS.why}",
-        f"step_fixed_ms {STEP_FIXED_MS}: the engine's host work per step, not measured (notes §4.4: 3-5 ms [est])",
+        f"step_fixed_ms {STEP_FIXED_MS}: the engine's host work per step, not measured (notes §4.4: 3-5 ms [est]); "
+        f"vLLM's async scheduling (on by default since v0.14) overlaps it with the GPU's step (kvsim/engine.py)",
         f"allreduce {ALLREDUCE_US} us + bytes at {ALLREDUCE_GB_S} GB/s: NVLink 4 (450 GB/s each way) at 80% [est]; "
         f"not measured (one GPU)",
         f"hbm_bytes {hbm:.4g}: {'the H200 datasheet' if 'H200' in gpu else 'the device total'}",

@@ -19,15 +19,16 @@ from kvsim.trace import TraceRequest
 
 PROFILE = Path(__file__).parents[1] / "kvsim" / "profiles" / "gpu_h200.json"
 TOLERANCE = 0.10
-# The measured steps the model does not bring within 10%, each within 15%: two at 128
-# tokens on Qwen3-32B's TP=2 shapes, slower than any tiling of TILES x SPLITS over 132 SMs
-# makes them (cuBLAS's kernel for them is not the fastest the model finds), Llama-3-70B's
-# 256-token chunk (faster: the model's knee is soft there), and its 256-token chunk after
-# 4,096 cached tokens, 8.4 ms above the same chunk after none where 16,384 cost 10.7: not
-# the attention's FLOPs (docs/kvsim.md, "The GPU's step time").
+# The measured steps the model does not bring within 10%, each within 16%: 128-token steps
+# of Qwen3-32B (both splits) and Llama-3-8B, slower than any tiling of TILES x SPLITS over
+# 132 SMs makes them, and Qwen3-32B's 256-token chunk, faster. cuBLAS's kernel for these
+# shapes is not the fastest: scripts/h200_kernel_probe.py saw Qwen3-32B's gate-and-up GEMM
+# take 127 us at 128 tokens (TP=2; 238 at TP=1) against 75-78 at 96 and 160 (docs/kvsim.md,
+# "The GPU's step time").
 BEYOND_10 = {
     ("qwen3-32b", 2, "[[128, 0]]", "[0, 0]"), ("qwen3-32b", 2, "[]", "[128, 512]"),
-    ("llama3-70b", 4, "[[256, 0]]", "[0, 0]"), ("llama3-70b", 4, "[[256, 4096]]", "[0, 0]"),
+    ("qwen3-32b", 1, "[[256, 0]]", "[0, 0]"), ("llama3-8b", 1, "[[128, 0]]", "[0, 0]"),
+    ("llama3-8b", 1, "[]", "[128, 512]"),
 }
 
 
@@ -39,26 +40,50 @@ def gpucal_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _key(r: dict) -> tuple:
+    return r["model"], r["tp"], str(r["prefills"]), str(r["decode"])
+
+
 def test_the_profile_holds_the_steps_timed_on_the_h200():
     doc = json.loads(PROFILE.read_text())
     assert doc["machine"]["gpu"] == "NVIDIA H200" and doc["machine"]["device"] == "cuda"
     assert doc["commands"][0].startswith("python -m kvsim calibrate gpu --models ")
+    assert "--kernels eager,compiled" in doc["commands"][0]
     recs = doc["measurements"]
-    assert len(recs) == 175 and not any("excluded" in r for r in recs)
+    assert len(recs) == 350 and not any("excluded" in r for r in recs)
+    # Every step timed both ways, one right after the other.
+    compiled = {_key(r): r for r in recs if r["kernels"] == "compiled"}
+    eager = {_key(r): r for r in recs if r["kernels"] == "eager"}
+    assert len(compiled) == len(eager) == 175 and set(compiled) == set(eager)
     assert {r["kind"] for r in recs} == {"prefill", "decode", "mixed"}
     assert {(r["model"], r["tp"]) for r in recs} == {("qwen3-32b", 1), ("qwen3-32b", 2), ("llama3-8b", 1),
                                                       ("qwen3-8b", 1), ("llama3-70b", 4)}
     assert all(r["graph"] and r["stack_ms_range"][0] <= r["stack_ms"] <= r["stack_ms_range"][1] for r in recs)
 
 
+def test_the_profile_is_fitted_to_the_compiled_layers_which_run_faster_than_eager():
+    # vLLM compiles its layers: the profile is fitted to the compiled stack; the eager
+    # one is kept beside it. Fusing the small ops saves most where they weigh most.
+    doc = json.loads(PROFILE.read_text())
+    assert gpucal.fit_kernels(doc["measurements"]) == "compiled"
+    assert all(r["kernels"] == "compiled" for r in gpucal.fitted(doc["measurements"]))
+    eager = {_key(r): r["step_ms"] for r in doc["measurements"] if r["kernels"] == "eager"}
+    ratio = {_key(r): r["step_ms"] / eager[_key(r)] for r in doc["measurements"] if r["kernels"] == "compiled"}
+    small = [v for k, v in ratio.items() if k[2] != "[]" and json.loads(k[2])[0] in ([16, 0], [64, 0], [128, 0], [256, 0])
+             or k[2] == "[]" and json.loads(k[3])[0] <= 16]
+    assert len(small) == 5 * 4 + 5 * 6
+    assert small and max(small) < 0.95
+    assert sorted(ratio.values())[len(ratio) // 2] < 0.95
+
+
 def test_the_profiles_step_times_are_within_10_percent_of_its_measurements():
     gpu = load_gpu("h200")
-    errors = {(r["model"], r["tp"], str(r["prefills"]), str(r["decode"])): gpucal.predicted_ms(gpu, r) / r["step_ms"] - 1
-              for r in json.loads(PROFILE.read_text())["measurements"]}
+    recs = gpucal.fitted(json.loads(PROFILE.read_text())["measurements"])
+    errors = {_key(r): gpucal.predicted_ms(gpu, r) / r["step_ms"] - 1 for r in recs}
     assert len(errors) == 175
     beyond = {k: e for k, e in errors.items() if abs(e) > TOLERANCE}
     assert set(beyond) <= BEYOND_10, beyond
-    assert all(abs(errors[k]) <= 0.15 for k in BEYOND_10), {k: errors[k] for k in BEYOND_10}
+    assert all(abs(errors[k]) <= 0.16 for k in BEYOND_10), {k: errors[k] for k in BEYOND_10}
     # Decode of one sequence with a 16K context: one HBM rate for every decode made these 23-42% too fast.
     for key in [("qwen3-32b", 1, "[]", "[1, 16384]"), ("llama3-70b", 4, "[]", "[1, 16384]")]:
         assert abs(errors[key]) <= 0.05
@@ -79,13 +104,14 @@ def test_the_checked_in_profile_is_what_its_command_makes(tmp_path):
 
 def test_a_measurement_marked_excluded_is_not_fitted_and_says_so(tmp_path, capsys):
     doc = json.loads(PROFILE.read_text())
-    doc["measurements"][0]["excluded"] = "a test's reason"
+    next(r for r in doc["measurements"] if r["kernels"] == "compiled")["excluded"] = "a test's reason"
     path = tmp_path / "m.json"
     path.write_text(json.dumps(doc))
     out = tmp_path / "gpu.json"
     assert main(["calibrate", "gpu", "--measurements", str(path), "-o", str(out)]) == 0
     prof = json.loads(out.read_text())
     assert "174 steps" in prof["notes"][0] and "1 more not fitted" in prof["notes"][0]
+    assert "175 steps timed with the other kernels beside them" in prof["notes"][0]
     assert "(not fitted)" in capsys.readouterr().out
 
 
