@@ -143,6 +143,20 @@ def test_the_engine_times_its_steps_with_the_profile():
     assert run.steps == 39 and total == sum(steps)
 
 
+def test_the_hosts_work_per_step_overlaps_the_gpus():
+    # vLLM's async scheduling prepares step t+1 while the GPU runs step t: a step lasts
+    # the longer of the host's work and the GPU's, never their sum.
+    gpu, m = load_gpu("h200"), get_model("llama3-8b")
+    host = gpu.step_fixed_ms * 1e-3
+    assert host > 0
+    assert gpu.with_host_ns(host / 4) == round(host * 1e9)
+    assert gpu.with_host_ns(3 * host) == round(3 * host * 1e9)
+    big = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0)
+    assert gpu.step_ns(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0) == round(big * 1e9)
+    # On the H200 even one 8B model's lone decode outlasts the host's 4 ms [est]: hidden.
+    assert gpu.gpu_s(m, 1, 1, 1, 0.0, 512 * m.kv_bytes_per_token, 1) > host
+
+
 def test_tensor_parallelism_splits_the_work_and_adds_the_all_reduce():
     gpu, m = load_gpu("h200"), get_model("qwen3-32b")
     one = gpu.gpu_s(m, 1, 8192, 1, m.attention_flops(8192, 0), 0.0, 0, "timed")
