@@ -25,8 +25,9 @@ whose tiles just exceed a wave pays for a second one. Decode attention runs one 
 block per sequence and KV head (``H_kv`` on each GPU) in the kernel timed (torch's
 SDPA), each streaming its context's KV: a block keeps only so many bytes in flight, so
 the read rate grows with the ``D * H_kv`` blocks until the HBM's rate caps it. The rates
-and the per-token and per-layer costs are fitted to step times measured on the H200
-(kvsim/profiles/gpu_h200.json holds the measurements, the fit and the command); another
+and the per-token and per-layer costs are fitted to step times measured on the H200, the
+layers compiled by torch.compile as vLLM compiles them (kvsim/profiles/gpu_h200.json holds
+the measurements, eager and compiled, the fit and the command); another
 GPU is derived from the H200 by published ratios only (``derive``).
 
 What the engine runs is vLLM's kernels, not the stack timed: on Hopper vLLM's attention
