@@ -49,10 +49,19 @@ def test_bad_two_level_specs_name_the_problem(spec, match):
 
 def _revisit(tier: str) -> tuple[dict, object]:
     """Context X (16 units, 1 GiB), then Y, then X again. The GPU (18 units) and a
-    1 GiB CPU level hold one context: Y evicts X from both; a 1 TB disk keeps it."""
+    1 GiB CPU level hold one context: Y evicts X from both; a 1 TB disk keeps it.
+
+    Each decodes 32 tokens, at least 4 ms a step (the host's), so it still runs when
+    its GPU -> CPU store (1 GiB, ~20 ms) is seen done, and the write-through to disk
+    starts then. A request that ended first (2 tokens, once the compiled engine's
+    steps got shorter) leaves the engine idle and its store unseen until the next
+    arrival, as an idle vLLM engine polls no connector: Y's write-through would then
+    start at X's revisit and pin every slot of the CPU level, leaving X no room to be
+    promoted into, and X's GPU blocks, released when their store is seen done, would
+    join the LRU in block order, so Y would evict X's first unit from the GPU."""
     x, y = tuple(range(100, 116)), tuple(range(200, 216))
-    reqs = [TraceRequest(0, 8192 + 256, 2, x + (1,), 512), TraceRequest(2 * 10**9, 8192 + 256, 2, y + (2,), 512),
-            TraceRequest(4 * 10**9, 8192 + 256, 2, x + (3,), 512)]
+    reqs = [TraceRequest(0, 8192 + 256, 32, x + (1,), 512), TraceRequest(2 * 10**9, 8192 + 256, 32, y + (2,), 512),
+            TraceRequest(4 * 10**9, 8192 + 256, 32, x + (3,), 512)]
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=18 * UNIT_BYTES)
     # The fast-drive array: 1 GiB from disk takes less than recomputing 8K tokens.
     cfg = ReplayConfig(MODEL, hw, "always", load_profile("h200-array"))
