@@ -317,9 +317,10 @@ def test_timed_hit_rate_is_close_to_the_untimed_lru(gpu_gib):
 
 def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     # Goal: the README's table. The working set overflows the GPU cache, an 8 GiB DRAM
-    # tier and a 100 GB disk, not a 200 GB one; recomputing the reloads overloads the
-    # GPU. First visits gain nothing from any tier; the reloads gain nothing from DRAM,
-    # part from the disk too small to hold them, and all from the one that holds them.
+    # tier and a 100 GB disk, not a 200 GB one; recomputing the reloads runs the GPU near
+    # full and queues the tail. First visits gain nothing from any tier; the reloads gain
+    # nothing from DRAM, part from the disk too small to hold them (its tail, not its
+    # median: a recompute still sets that), and all from the one that holds them.
     sc = get_scenario(DEFAULT_SCENARIO)
     reqs = sc.workload.requests()
     model = get_model(sc.model)
@@ -331,10 +332,14 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     s = {t: replay(reqs, parse_tier(t), cfg)[0] for t in ("none", "cpu:8GiB", "disk:100GB", "disk:200GB")}
     p50 = {t: {ph: v["phases"][ph]["ttft_ms"]["p50"] for ph in ("fill", "reload")} for t, v in s.items()}
     assert len({v["fill"] for v in p50.values()}) == 1
-    assert s["none"]["queue_share_of_ttft"] > 0.5  # recomputing saturates the GPU
+    p90 = {t: v["phases"]["reload"]["ttft_ms"]["p90"] for t, v in s.items()}
+    # Recomputing loads the GPU so that queueing is a large share of TTFT; holding every
+    # context leaves almost none.
+    assert s["disk:200GB"]["queue_share_of_ttft"] < 0.05 < 0.25 < s["none"]["queue_share_of_ttft"]
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
-    assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"] / 2
-    assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"]
+    assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
+    assert 2 * p90["disk:200GB"] < p90["disk:100GB"] and 4 * p90["disk:100GB"] < p90["none"]
+    assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"] < s["none"]["recomputed_tokens"]
 
 
 def test_equal_tiers_hit_alike_so_the_page_cache_is_never_faster_than_dram():
