@@ -196,10 +196,13 @@ class GpuProfile:
 # -- the linear layers: GEMMs as waves of tiles -----------------------------------------------
 
 SMS = 132  # the H100's and H200's SMs (GH100 SXM)
-# Tilings a GEMM may take (output rows x columns of one thread block) and split-K factors:
-# cuBLAS's Hopper kernels tile by 64 or 128 rows and 128 columns and split K for shapes of
-# few tiles; the model takes the fastest of them for each shape.
-TILES = ((64, 128), (128, 128))
+# Tilings a GEMM may take (tokens x outputs of one thread block) and split-K factors:
+# tiles of 64 or 128 tokens by each output width the H200's cuBLAS was seen running for
+# vLLM's layout (F.linear; scripts/h200_kernel_probe.py: its nvjet kernels' tiles), split
+# K for shapes of few tiles; the model takes the fastest of them for each shape. Widths
+# other than powers of two are what let a wide GEMM fill its last wave (Qwen3-32B's
+# 25,600-wide gate-and-up at 256 tokens: 144-wide tiles, three waves where 128 take four).
+TILES = tuple((tm, tn) for tm in (64, 128) for tn in (64, 72, 80, 96, 112, 128, 144, 168, 176, 192, 256, 320, 448, 512))
 SPLITS = (1, 2, 3, 4, 6, 8)
 
 
@@ -212,15 +215,16 @@ def gemm_shapes(m: ModelShape, tp: int) -> tuple[tuple[int, int], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def gemm_tilings(rows: int, n: int, k: int) -> tuple[tuple[float, float, float], ...]:
+def gemm_tilings(rows: int, n: int, k: int, tiles: tuple[tuple[int, int], ...] = TILES
+                 ) -> tuple[tuple[float, float, float], ...]:
     """Each tiling of a ``rows x k`` by ``k x n`` GEMM as ``(FLOPs of its waves, weight
     bytes, split-K partial-sum bytes)``: the waves' FLOPs are what ``ceil(tiles * s / SMS)``
     full waves would do, each SM working one ``tm x tn x k / s`` tile."""
     out = []
-    for tm, tn in TILES:
-        tiles = -(-rows // tm) * -(-n // tn)
+    for tm, tn in tiles:
+        count = -(-rows // tm) * -(-n // tn)
         for s in SPLITS:
-            waves = -(-tiles * s // SMS)
+            waves = -(-count * s // SMS)
             out.append((waves * SMS * 2.0 * tm * tn * k / s, 2.0 * n * k, (s > 1) * 2 * s * rows * n * 4.0))
     return tuple(out)
 

@@ -123,21 +123,24 @@ class LayerStack:
         dt = torch.bfloat16
         g = torch.Generator(device=device).manual_seed(0)
 
-        def w(*shape: int) -> Any:  # random weights, scaled so activations stay finite
-            return torch.randn(*shape, generator=g, device=device, dtype=dt) * (shape[0] ** -0.5)
+        # A linear layer's weight is (outputs, inputs) and runs as F.linear, x @ W^T: vLLM's
+        # layout and call for unquantized layers (default_unquantized_gemm). cuBLAS picks
+        # its kernel per layout and shape, so x @ W with W (inputs, outputs) times other kernels.
+        def w(out: int, inp: int) -> Any:  # random weights, scaled so activations stay finite
+            return torch.randn(out, inp, generator=g, device=device, dtype=dt) * (inp ** -0.5)
 
         h = m.hidden
         self.layers = []
         for _ in range(depth):
             self.layers.append(dict(
                 ln1=torch.ones(h, device=device, dtype=dt), ln2=torch.ones(h, device=device, dtype=dt),
-                qkv=w(h, (self.hq + 2 * self.hkv) * self.dh), o=w(self.hq * self.dh, h),
-                gate_up=w(h, 2 * inter), down=w(inter, h),
+                qkv=w((self.hq + 2 * self.hkv) * self.dh, h), o=w(h, self.hq * self.dh),
+                gate_up=w(2 * inter, h), down=w(h, inter),
                 qn=torch.ones(self.dh, device=device, dtype=dt) if m.qk_norm else None,
                 kn=torch.ones(self.dh, device=device, dtype=dt) if m.qk_norm else None))
         vocab = m.vocab // tp  # vocabulary-parallel embedding and LM head
         self.embed = w(vocab, h)
-        self.lm_head = w(h, vocab)
+        self.lm_head = w(vocab, h)
         self.final_norm = torch.ones(h, device=device, dtype=dt)
         # vLLM compiles each layer's code between attention calls with torch.compile
         # (inductor, the token count symbolic) and replays the pieces from CUDA graphs:
@@ -188,7 +191,7 @@ class LayerStack:
         F = self.torch.nn.functional
         t, hq, hkv, dh = x.shape[0], self.hq, self.hkv, self.dh
         hs = F.rms_norm(x, (x.shape[-1],), ln1, 1e-6)
-        q, k, v = (hs @ qkv).split([hq * dh, hkv * dh, hkv * dh], dim=-1)
+        q, k, v = F.linear(hs, qkv).split([hq * dh, hkv * dh, hkv * dh], dim=-1)
         q, k, v = q.view(t, hq, dh), k.view(t, hkv, dh), v.view(t, hkv, dh)
         if qn is not None:
             q = F.rms_norm(q, (dh,), qn, 1e-6)
@@ -200,17 +203,17 @@ class LayerStack:
     def _post(self, x, o, wo, ln2, gate_up, down):
         """A layer after attention: the output GEMM, the residual, RMSNorm, the MLP, the residual."""
         F = self.torch.nn.functional
-        x = x + o @ wo
+        x = x + F.linear(o, wo)
         hs = F.rms_norm(x, (x.shape[-1],), ln2, 1e-6)
-        gate, up = (hs @ gate_up).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ down
+        gate, up = F.linear(hs, gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, down)
 
     def head(self, inp: dict[str, Any]) -> Any:
         """Embedding rows of the step's tokens, the final norm, logits of one token per sequence."""
         F = self.torch.nn.functional
         e = self.embed[inp["ids"]]
         hs = F.rms_norm(e, (e.shape[-1],), self.final_norm, 1e-6)
-        return hs[inp["last"]] @ self.lm_head
+        return F.linear(hs[inp["last"]], self.lm_head)
 
 
 def _last_tokens(p: Point) -> list[int]:
@@ -615,7 +618,9 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
         + (f"; {len(recs) - len(used) - other} more not fitted, each saying why"
            if len(recs) - len(used) - other else ""),
         f"linear layers: each GEMM (the layer's QKV, output, gate-up and down, the LM head) as waves of "
-        f"{'/'.join('%dx%d' % t for t in TILES)} tiles over {SMS} SMs, split-K {'/'.join(map(str, SPLITS))}, its fastest "
+        f"tiles of {'/'.join(sorted({'%d' % t[0] for t in TILES}, key=int))} tokens by "
+        f"{'/'.join(sorted({'%d' % t[1] for t in TILES}, key=int))} outputs over {SMS} SMs, split-K "
+        f"{'/'.join(map(str, SPLITS))}, its fastest "
         f"tiling; a wave at gemm_tflops {fit.gemm_tflops:.0f} ({fit.gemm_tflops / SMS:.2f} per SM), weights at "
         f"weight_gb_s {fit.weight_gb_s:.0f}, soft maximum knee {fit.knee:.2f}",
         f"engine kernels: {ENGINE_KERNELS.why}",

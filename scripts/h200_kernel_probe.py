@@ -1,7 +1,8 @@
 """Which kernels the H200 runs for the step shapes kvsim's GPU model misses (docs/kvsim.md,
 "The GPU's step time"): each linear layer's GEMM alone, and a prefill chunk's attention
 alone after a cached context, timed from CUDA graphs, with the kernel names the profiler
-saw. A record of a probe, not part of the package:
+saw; each GEMM in both layouts (x @ W, and vLLM's F.linear with W as outputs x inputs).
+A record of a probe, not part of the package:
 
     PYTHONPATH=. python3 scripts/h200_kernel_probe.py OUT.json
 """
@@ -44,13 +45,18 @@ def main(out: str) -> None:
     for name, tp in STACKS:
         m = get_model(name)
         for label, (n, k) in zip(("qkv", "o", "gate_up", "down"), gemm_shapes(m, tp)):
-            w = torch.randn(k, n, device="cuda", dtype=dt)
+            # Both layouts: x @ W with W (K, N), and vLLM's F.linear(x, W) with W (N, K).
+            w_kn = torch.randn(k, n, device="cuda", dtype=dt)
+            w_nk = w_kn.t().contiguous()
             for t in TOKENS:
                 x = torch.randn(t, k, device="cuda", dtype=dt)
-                ms, kernels = timed(lambda: x @ w)
-                doc["gemms"].append(dict(model=name, tp=tp, gemm=label, m=t, n=n, k=k, ms=ms, kernels=kernels))
-                print(f"{name:10} tp={tp} {label:7} M={t:4} N={n:6} K={k:6} {ms * 1e3:8.1f} us  {kernels}", flush=True)
-            del w
+                for layout, fn in (("x@W", lambda: x @ w_kn), ("linear", lambda: torch.nn.functional.linear(x, w_nk))):
+                    ms, kernels = timed(fn)
+                    doc["gemms"].append(dict(model=name, tp=tp, gemm=label, layout=layout, m=t, n=n, k=k, ms=ms,
+                                             kernels=kernels))
+                    print(f"{name:10} tp={tp} {label:7} {layout:6} M={t:4} N={n:6} K={k:6} {ms * 1e3:8.1f} us  "
+                          f"{kernels}", flush=True)
+            del w_kn, w_nk
     st = gpucal.LayerStack(get_model("llama3-70b"), 4, 1, "cuda")
     paths = dict(gpucal._sdpa_paths(torch))
     for n, c in CHUNKS:
