@@ -338,6 +338,8 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     assert s["disk:200GB"]["queue_share_of_ttft"] < 0.05 < 0.25 < s["none"]["queue_share_of_ttft"]
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
     assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
+    # The README's ratios: disk:100GB's reload P50 and P90 each about twice the 200 GB tier's
+    # (2.1x, 2.2x at commit 6877863), its P90 4.3x below none's.
     assert 2 * p90["disk:200GB"] < p90["disk:100GB"] and 4 * p90["disk:100GB"] < p90["none"]
     assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"] < s["none"]["recomputed_tokens"]
 
