@@ -338,6 +338,8 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     assert s["disk:200GB"]["queue_share_of_ttft"] < 0.05 < 0.25 < s["none"]["queue_share_of_ttft"]
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
     assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
+    # The README's ratios: disk:100GB's reload P50 and P90 each about twice the 200 GB tier's
+    # (2.1x, 2.2x at commit 6877863), its P90 4.3x below none's.
     assert 2 * p90["disk:200GB"] < p90["disk:100GB"] and 4 * p90["disk:100GB"] < p90["none"]
     assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"] < s["none"]["recomputed_tokens"]
 
@@ -388,7 +390,14 @@ def test_the_reload_workload_on_the_vm_disk_recomputes_what_loads_slower():
     assert s["disk:100GB:pagecache"]["recomputed_tokens"] == 0
     # Equal capacity: DRAM, then page cache, then kvoffload's O_DIRECT, then no offload.
     assert p50["cpu:100GB"] < p50["disk:100GB:pagecache"] < p50["disk:100GB"] < p50["none"]
-    assert p90["disk:100GB"] < p90["vllm-disk:100GB"] < p90["none"]
+    # kvoffload's pipeline recomputes less, so its reloads are faster on average and in their
+    # P99; their P90 is the recomputes' queue, which since commit 6877863's GPU profile puts
+    # the two backends within 3% of each other (kvoffload's the higher), both far below none's.
+    mean = {t: v["phases"]["reload"]["ttft_ms"]["mean"] for t, v in s.items()}
+    p99 = {t: v["phases"]["reload"]["ttft_ms"]["p99"] for t, v in s.items()}
+    assert mean["disk:100GB"] < mean["vllm-disk:100GB"] < mean["none"]
+    assert p99["disk:100GB"] < p99["vllm-disk:100GB"] < p99["none"]
+    assert 2 * max(p90["disk:100GB"], p90["vllm-disk:100GB"]) < p90["none"]
 
 
 def test_requests_that_can_never_fit_are_rejected_not_stuck():
