@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvoffload.cli_args import finite_number, read_json, where
 from kvsim.models import ModelShape
 
@@ -219,14 +221,27 @@ def gemm_tilings(rows: int, n: int, k: int, tiles: tuple[tuple[int, int], ...] =
                  ) -> tuple[tuple[float, float, float], ...]:
     """Each tiling of a ``rows x k`` by ``k x n`` GEMM as ``(FLOPs of its waves, weight
     bytes, split-K partial-sum bytes)``: the waves' FLOPs are what ``ceil(tiles * s / SMS)``
-    full waves would do, each SM working one ``tm x tn x k / s`` tile."""
-    out = []
-    for tm, tn in tiles:
-        count = -(-rows // tm) * -(-n // tn)
-        for s in SPLITS:
-            waves = -(-count * s // SMS)
-            out.append((waves * SMS * 2.0 * tm * tn * k / s, 2.0 * n * k, (s > 1) * 2 * s * rows * n * 4.0))
-    return tuple(out)
+    full waves would do, each SM working one ``tm x tn x k / s`` tile. Only those that
+    could be the fastest are kept: a tiling with no fewer wave FLOPs and no fewer partial-sum
+    bytes than another never is (the weight bytes are the same for all)."""
+    tm, tn, splits = _tiling_grid(tiles)
+    count = -(-rows // tm) * -(-n // tn)
+    waves = -(-count * splits // SMS)
+    flops = waves * SMS * 2.0 * tm * tn * k / splits
+    partial = (splits > 1) * 8.0 * splits * rows * n
+    front, least = [], float("inf")
+    for i in np.lexsort((partial, flops)):  # by wave FLOPs, then partial-sum bytes
+        if partial[i] < least:
+            front.append((float(flops[i]), 2.0 * n * k, float(partial[i])))
+            least = partial[i]
+    return tuple(front)
+
+
+@functools.lru_cache(maxsize=8)
+def _tiling_grid(tiles: tuple[tuple[int, int], ...]) -> tuple[Any, Any, Any]:
+    """Each tile and split-K factor of ``tiles`` x ``SPLITS`` as three int64 arrays."""
+    grid = np.array([(tm, tn, s) for tm, tn in tiles for s in SPLITS], dtype=np.int64)
+    return grid[:, 0], grid[:, 1], grid[:, 2]
 
 
 def soft_max(a: float, b: float, k: float) -> float:
