@@ -243,6 +243,10 @@ def test_a_tiny_stack_times_every_path_on_the_cpu():
      "--depth: timing flags; --measurements fits without timing"),
     (["calibrate", str(PROFILE), "--models", "llama3-8b"], "--models: GPU flags; they need calibrate gpu"),
     (["calibrate", "gpu", "--models", "deepseek-v3"], "argument --models: unknown 'deepseek-v3'"),
+    (["calibrate", "gpu", "--kernels", "compield"], "argument --kernels: unknown 'compield' (did you mean 'compiled'?)"),
+    (["calibrate", "gpu", "--measurements", str(PROFILE), "--kernels", "eager"],
+     "--kernels: timing flags; --measurements fits without timing"),
+    (["calibrate", str(PROFILE), "--kernels", "compiled"], "--kernels: GPU flags; they need calibrate gpu"),
     *([] if gpucal_cuda() else [(["calibrate", "gpu"], "calibrate gpu needs a CUDA GPU")]),
 ])
 def test_calibrate_gpu_refuses_a_mistake_in_one_line(capsys, argv, message):
@@ -257,3 +261,11 @@ def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys):
                    '"step_ms": 1}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
     assert f"{bad}:2: prefills must be a list of [new tokens >= 1, cached tokens >= 0]" in capsys.readouterr().err
+
+
+def test_a_measurement_of_unknown_kernels_is_named_with_its_line(tmp_path, capsys):
+    bad = tmp_path / "m.json"
+    bad.write_text('{"measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[16, 0]], "decode": [0, 0], '
+                   '"step_ms": 1, "kernels": "fused"}\n]}\n')
+    assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
+    assert f'{bad}:2: kernels must be "eager" or "compiled"' in capsys.readouterr().err
