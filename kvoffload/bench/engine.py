@@ -42,6 +42,9 @@ from kvoffload.slot_file import round_up
 from kvoffload.vllm_tier import SlotTier, TierConfig
 
 STEP_S = 0.020  # one engine step: a decode step of a mid-size model
+# A segment that launches IO runs past its time until one IO unit has finished (a rate over
+# no unit is no rate: a short segment on a loaded machine may see none), at most this long.
+UNIT_WAIT_S = 10.0
 SHARES = (0.25, 0.5, 0.75)  # Python's share of a step (0 is the ref segment)
 PATHS = ("gpu", "tier", "raw")
 DIRECTIONS = ("load", "store")
@@ -301,6 +304,7 @@ class Driver:
         self.job_blocks, self.depth = job_blocks, depth
         self.rng = rng
         self.launch_s = 0.0
+        self.unit_wait_s = UNIT_WAIT_S
 
     def _job(self) -> tuple[list[int], list[int]]:
         n = self.path.num_blocks
@@ -311,7 +315,8 @@ class Driver:
     def segment(self, iters: int, seconds: float, launch: bool) -> Segment:
         """Steps of ``STEP_S`` for ``seconds``: ``iters`` of Python, the rest of the step with
         the GIL released (none if the Python overran it), then poll and launch. A step's
-        length does not depend on the Python, so every segment launches at the same pace."""
+        length does not depend on the Python, so every segment launches at the same pace. A
+        segment that launches lasts until one IO unit has finished too (``unit_wait_s`` at most)."""
         steps, py, done = 0, [], 0
         moved0 = self.path.moved(self.is_store)
         t0 = time.perf_counter()
@@ -332,7 +337,8 @@ class Driver:
                     self.path.launch(self.is_store, *self._job())
                 self.launch_s += time.perf_counter() - c
             steps += 1
-            if time.perf_counter() >= end:
+            now = time.perf_counter()
+            if now >= end and (not launch or now >= end + self.unit_wait_s or self.path.moved(self.is_store) > moved0):
                 break
         wall = time.perf_counter() - t0
         moved = self.path.moved(self.is_store) - moved0
@@ -361,8 +367,11 @@ def run_case(driver: Driver, share: float, seconds: float, min_repeats: int, max
             if k != "alone":
                 launched_steps += got[k].steps
         segs.append(got)
+        if not got["ref"].bytes_moved:
+            raise RuntimeError(f"engine case {'store' if driver.is_store else 'load'}: the reference segment moved "
+                               f"nothing in {got['ref'].wall_s:.1f} s: the backend made no progress")
         step_r.append(got["busy"].python_ms_per_step / got["alone"].python_ms_per_step)
-        bw_r.append(got["busy"].gib_s / got["ref"].gib_s if got["ref"].gib_s else float("nan"))
+        bw_r.append(got["busy"].gib_s / got["ref"].gib_s)
         if r + 1 >= min_repeats and _spread(step_r) <= tol and _spread(bw_r) <= tol:
             break
     med = statistics.median
