@@ -379,10 +379,11 @@ def measure(m: ModelShape, tp: int, points: Sequence[Point], device: str = "cuda
                 say(f"  {m.name} tp={tp} {p}: no attention path ran ({type(err).__name__}: {err}); skipped")
                 continue
             head_ms, _ = _time(torch, lambda: st.head(inp), device, warmup, repeats)
+            kernel = _kernel(torch, st, p)
             for kind in kernels:
                 stack_ms, graphed = _time(torch, lambda: st.stack(inp, attention, kind), device, warmup, repeats)
-                out.append(_record(m, tp, p, depth, stack_ms, head_ms, chosen, graphed, repeats, kind,
-                                   _kernel(torch, st, p), device, say))
+                out.append(_record(m, tp, p, depth, stack_ms, head_ms, chosen, graphed, repeats, kind, kernel,
+                                   device, say))
         del inp
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -523,11 +524,12 @@ def table(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) 
     """Measured against fitted step times, one row a step, ``!`` past ``tolerance``."""
     lines = [f"{'model':10} {'tp':>2} {'kernels':8} {'kind':7} {'prefill (new, cached)':22} {'decode (seqs, ctx)':18} "
              f"{'measured ms':>11} {'profile ms':>10} {'error':>7}"]
+    fit_kind = fit_kernels(records)
     for r in records:
         p = predicted_ms(gpu, r)
         err = p / r["step_ms"] - 1
         kind = r.get("kernels", "eager")
-        mark = (" (not fitted)" if r.get("excluded") or kind != fit_kernels(records) else
+        mark = (" (not fitted)" if r.get("excluded") or kind != fit_kind else
                 " !" if abs(err) > tolerance else "")
         lines.append(f"{r['model']:10} {r['tp']:>2} {kind:8} {r.get('kind', ''):7} {str(r['prefills']):22} "
                      f"{str(r['decode']):18} {r['step_ms']:11.3f} {p:10.3f} {100 * err:+6.1f}%{mark}")
@@ -609,17 +611,17 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     used = fitted(recs)
     kind = fit_kernels(recs)
     other = sum(r.get("kernels", "eager") != kind for r in recs)
+    excluded = len(recs) - len(used) - other
     layers = ("the layers' ops fused by torch.compile (inductor, token count symbolic), as vLLM compiles them"
               if kind == "compiled" else "each of the layers' torch ops its own kernel (eager)")
     notes = [
         f"fit: {len(used)} steps of {', '.join(sorted({'%s tp=%d' % (r['model'], r['tp']) for r in used}))} timed on "
         f"{gpu} (torch {mach.get('torch', '?')}, CUDA {mach.get('cuda', '-')}): {how}; {layers}"
         + (f"; {other} steps timed with the other kernels beside them, not fitted (their ratio)" if other else "")
-        + (f"; {len(recs) - len(used) - other} more not fitted, each saying why"
-           if len(recs) - len(used) - other else ""),
+        + (f"; {excluded} more not fitted, each saying why" if excluded else ""),
         f"linear layers: each GEMM (the layer's QKV, output, gate-up and down, the LM head) as waves of "
-        f"tiles of {'/'.join(sorted({'%d' % t[0] for t in TILES}, key=int))} tokens by "
-        f"{'/'.join(sorted({'%d' % t[1] for t in TILES}, key=int))} outputs over {SMS} SMs, split-K "
+        f"tiles of {'/'.join(map(str, sorted({tm for tm, _ in TILES})))} tokens by "
+        f"{'/'.join(map(str, sorted({tn for _, tn in TILES})))} outputs over {SMS} SMs, split-K "
         f"{'/'.join(map(str, SPLITS))}, its fastest "
         f"tiling; a wave at gemm_tflops {fit.gemm_tflops:.0f} ({fit.gemm_tflops / SMS:.2f} per SM), weights at "
         f"weight_gb_s {fit.weight_gb_s:.0f}, soft maximum knee {fit.knee:.2f}",

@@ -255,17 +255,13 @@ def test_calibrate_gpu_refuses_a_mistake_in_one_line(capsys, argv, message):
     assert message in err and err.count("\n") == 1
 
 
-def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys):
+@pytest.mark.parametrize("field,message", [
+    ('"prefills": [[0, 0]]', "prefills must be a list of [new tokens >= 1, cached tokens >= 0]"),
+    ('"prefills": [[16, 0]], "kernels": "fused"', 'kernels must be "eager" or "compiled"'),
+])
+def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys, field, message):
     bad = tmp_path / "m.json"
-    bad.write_text('{"measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[0, 0]], "decode": [0, 0], '
+    bad.write_text('{"measurements": [\n {"model": "llama3-8b", "tp": 1, ' + field + ', "decode": [0, 0], '
                    '"step_ms": 1}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
-    assert f"{bad}:2: prefills must be a list of [new tokens >= 1, cached tokens >= 0]" in capsys.readouterr().err
-
-
-def test_a_measurement_of_unknown_kernels_is_named_with_its_line(tmp_path, capsys):
-    bad = tmp_path / "m.json"
-    bad.write_text('{"measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[16, 0]], "decode": [0, 0], '
-                   '"step_ms": 1, "kernels": "fused"}\n]}\n')
-    assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
-    assert f'{bad}:2: kernels must be "eager" or "compiled"' in capsys.readouterr().err
+    assert f"{bad}:2: {message}" in capsys.readouterr().err
