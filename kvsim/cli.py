@@ -29,7 +29,7 @@ from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
 from kvsim.replay import ReplayConfig, Workload, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
-from kvsim.router import RouterSpec
+from kvsim.router import MAX_PREFIX_TOKENS, RouterSpec
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replicas", type=cli_args.Integer(1, MAX_REPLICAS),
                    help="replicas behind a prefix-aware router, each with its GPUs and its own tier (default: the "
                         "scenario's, 1 for a trace)")
+    r.add_argument("--router-prefix-tokens", type=NONNEG_INT, metavar="TOKENS",
+                   help=f"leading tokens of a prompt the router's prefix scorers hash (with --replicas; default "
+                        f"{MAX_PREFIX_TOKENS:,}: llm-d's 256 blocks of 16; 0: the whole prompt)")
     r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
                    help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
                         "memory utilisation)")
@@ -285,6 +288,8 @@ def _replay(a: argparse.Namespace) -> int:
     policy = a.load_policy or (sc.load_policy if sc else "faster")
     replica_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
     replicas = a.replicas or (sc.replicas if sc else 1)
+    if replicas == 1:
+        _refuse(a, ("router_prefix_tokens",), "one replica: no router to hash prompts (--replicas N)")
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
@@ -307,7 +312,10 @@ def _replay(a: argparse.Namespace) -> int:
     title = (f"{title}: {len(work):,} requests, {model.name} on {where}{hw.tp if hw.tp > 1 else 'one'} "
              f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
              f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
-    cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, sc.router if sc else RouterSpec())
+    router = sc.router if sc else RouterSpec()
+    if a.router_prefix_tokens is not None:
+        router = dataclasses.replace(router, max_prefix_tokens=a.router_prefix_tokens or None)
+    cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, router)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:

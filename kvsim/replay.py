@@ -154,7 +154,8 @@ def _router(cfg: ReplayConfig, engines: list[Engine], unit_blocks: int) -> Route
         tier_units = spec.tier_capacity_tokens // (unit_blocks * cfg.hw.block_size)
     else:
         tier_units = tier.capacity_units if tier is not None else 0
-    return Router(spec, engines, engines[0].gpu.num_blocks // unit_blocks, tier_units)
+    return Router(spec, engines, engines[0].gpu.num_blocks // unit_blocks, tier_units,
+                  unit_blocks * cfg.hw.block_size)
 
 
 def _push(loop: EventLoop, stage: Sequence[TraceRequest], start_ns: int, first_id: int) -> None:

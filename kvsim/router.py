@@ -9,12 +9,19 @@ max-score picker shuffles its candidates. The scores, each in [0, 1]:
   when they are equal (the queue scorer);
 - KV-cache utilisation: ``1 - used / total`` of the replica's GPU blocks (vLLM's
   ``kv_cache_usage_perc``: blocks held by running requests);
-- a prefix-cache scorer per tier: the share of the request's blocks that continue a
-  prefix the replica is believed to hold. The belief is the approximate prefix
-  producer's: an LRU per replica of the blocks of every request routed there, of
-  ``capacity`` blocks (the GPU's: its cache, as ``autoTune`` reads it from vLLM's
-  metrics; the CPU's: ``lruCapacityPerServer``, set by hand since vLLM reports no CPU
-  blocks), not what the replica really holds;
+- a prefix-cache scorer per tier: the share of the request's hashed blocks that continue
+  a prefix the replica is believed to hold. The belief is the approximate prefix
+  producer's (``approx-prefix-cache-producer``): an LRU per replica of the blocks of every
+  request routed there, not what the replica really holds. The producer hashes at most
+  ``DefaultMaxPrefixBlocks`` = 256 blocks of a prompt, each ``blockSizeTokens`` = 16
+  tokens (vLLM's block, which ``autoTune`` reads; 64 characters at the code's 4
+  characters a token): the first 4,096 tokens, so two prompts alike over those are
+  alike to the router, and a prompt fills 256 entries of the LRU however long it is.
+  The LRU holds ``NumOfGPUBlocks`` entries: the GPU producer's the replica's GPU blocks
+  (``autoTune``); a producer with ``autoTune`` off (the CPU tier's) gets the constant
+  ``defaultLRUCapacityPerServer`` = 31,250, which its ``makeserver`` passes to the
+  indexer whatever ``lruCapacityPerServer`` says (gateway-api-inference-extension and
+  llm-d-inference-scheduler ``approximateprefix/plugin.go`` and ``indexer.go``);
 - no-hit LRU: a request that no replica is believed to hold goes first to the replica
   that least recently got such a cold request (rank over the replicas, 1 to 0); a
   request with a hit scores 0 everywhere on it.
@@ -26,6 +33,7 @@ kvsim's blocks are its units (request.py); a capacity in tokens is converted to 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,19 +41,26 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 SCORERS = ("queue", "kv-cache-utilization", "gpu-prefix", "tier-prefix", "no-hit-lru")
+# The approximate prefix producer's defaults: DefaultMaxPrefixBlocks blocks of
+# DefaultBlockSizeTokens tokens are hashed; an LRU with autoTune off holds
+# defaultLRUCapacityPerServer blocks.
+MAX_PREFIX_TOKENS = 256 * 16
+UNTUNED_LRU_TOKENS = 31_250 * 16
 
 
 @dataclass(frozen=True)
 class RouterSpec:
     """Which scorers with which weights; the tier prefix scorer's belief of a replica's
-    tier, in tokens (None: the tier's real capacity)."""
+    tier, in tokens (None: the tier's real capacity); how many leading tokens of a prompt
+    the prefix producer hashes (None: all)."""
 
     weights: tuple[tuple[str, float], ...] = tuple((s, 1.0) for s in SCORERS)
     tier_capacity_tokens: Optional[int] = None
+    max_prefix_tokens: Optional[int] = MAX_PREFIX_TOKENS
     seed: int = 0
 
     def without(self, scorer: str) -> "RouterSpec":
-        return RouterSpec(tuple(w for w in self.weights if w[0] != scorer), self.tier_capacity_tokens, self.seed)
+        return dataclasses.replace(self, weights=tuple(w for w in self.weights if w[0] != scorer))
 
 
 class PrefixIndex:
@@ -75,9 +90,14 @@ class PrefixIndex:
 
 
 class Router:
-    def __init__(self, spec: RouterSpec, engines: Sequence[Any], gpu_units: int, tier_units: int) -> None:
-        """``gpu_units``, ``tier_units``: what each replica's GPU and tier are believed to hold."""
+    def __init__(self, spec: RouterSpec, engines: Sequence[Any], gpu_units: int, tier_units: int,
+                 unit_tokens: int) -> None:
+        """``gpu_units``, ``tier_units``: what each replica's GPU and tier are believed to
+        hold; ``unit_tokens``: the tokens of one unit."""
         self.spec, self.engines = spec, list(engines)
+        # The hashed prefix in whole units (the producer hashes whole blocks), at least the
+        # first: a unit longer than the hashed prefix still decides where its prompt goes.
+        self.hashed_units = None if spec.max_prefix_tokens is None else max(1, spec.max_prefix_tokens // unit_tokens)
         self.weights = dict(spec.weights)
         self.gpu = [PrefixIndex(gpu_units) for _ in engines]
         self.tier = [PrefixIndex(tier_units) for _ in engines] if "tier-prefix" in self.weights else None
@@ -91,6 +111,7 @@ class Router:
         if n == 1:
             self.routed[0] += 1
             return 0
+        keys = keys[:self.hashed_units]
         w = self.weights
         total = max(1, len(keys))
         scores = [0.0] * n

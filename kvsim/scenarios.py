@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from kvsim.generate import ReloadScenario, SharedPrefixStages
-from kvsim.router import RouterSpec
+from kvsim.router import UNTUNED_LRU_TOKENS, RouterSpec
 
 GiB = 1 << 30
 
@@ -100,10 +100,11 @@ LLMD_PUBLISHED = Published(
     {"none": "Optimized Baseline (HBM-only)", "offload": "GPU + CPU tier prefix aware routing"},
     {(SharedPrefixStages.phase(r), c): v for r, (base, off) in LLMD_ROWS.items()
      for c, v in (("none", base), ("offload", off))})
-# The router's belief of each server's CPU cache: lruCapacityPerServer 82,000 blocks of
-# 16 tokens (guides/tiered-prefix-cache/router/*tiered-prefix-cache-cpu.values.yaml,
-# "~200GB ... based on 160KB/token"), whatever the server holds.
-LLMD_CPU_BELIEF_TOKENS = 82_000 * 16
+# The router's belief of each server's CPU cache: the guide's values file sets the CPU
+# producer's lruCapacityPerServer to 82,000 blocks ("~200GB ... based on 160KB/token")
+# with autoTune off, but the producer's makeserver then hands the indexer the constant
+# 31,250 (kvsim/router.py); with 256 hashed blocks a prompt, both hold more prompts than
+# a server is sent (docs/kvsim.md runs both).
 SCENARIOS[LLMD] = Scenario(
     LLMD,
     "llm-d's tiered prefix cache guide: Qwen3-32B on 8 replicas of 2 H100s (TP=2) behind llm-d's prefix-aware "
@@ -113,7 +114,7 @@ SCENARIOS[LLMD] = Scenario(
     ("none", "cpu:200GiB"),
     "qwen3-32b", "h200-ramdrive", "always", 256 * GiB,
     gpu_kv_tokens=2_384_000 // 8, gpu="h100", tp=2, replicas=8, max_num_seqs=1024,
-    router=RouterSpec(tier_capacity_tokens=LLMD_CPU_BELIEF_TOKENS), published=LLMD_PUBLISHED)
+    router=RouterSpec(tier_capacity_tokens=UNTUNED_LRU_TOKENS), published=LLMD_PUBLISHED)
 DEFAULT_SCENARIO = "dram-limited-nvme"
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ from kvsim.gpu import load_gpu
 from kvsim.hardware import Hardware
 from kvsim.models import get_model
 from kvsim.replay import ReplayConfig, Workload, build, replay
-from kvsim.router import RouterSpec
+from kvsim.router import MAX_PREFIX_TOKENS, Router, RouterSpec
 from kvsim.scenarios import LLMD_ROWS, get_scenario
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceRequest
@@ -73,6 +74,32 @@ def test_without_the_prefix_scorers_the_router_only_balances():
     assert blind["gpu_hit_rate"] < aware["gpu_hit_rate"]
 
 
+def _idle_replicas(n: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(waiting=[], num_parked=0, gpu=SimpleNamespace(num_used=0, num_blocks=100))
+            for _ in range(n)]
+
+
+def test_the_router_hashes_a_prompts_first_4096_tokens_only():
+    # llm-d's approximate prefix producer hashes 256 blocks of 16 tokens: 8 units of 512.
+    assert MAX_PREFIX_TOKENS == 4096
+    router = Router(RouterSpec().without("tier-prefix"), _idle_replicas(2), 16, 0, unit_tokens=512)
+    a = tuple(range(40))
+    b = a[:8] + tuple(range(100, 132))  # a's first 4,096 tokens, then a prompt of its own
+    home = router.pick(a)
+    belief = router.gpu[home]
+    assert belief.matched(a) == 8 and belief.matched(a[8:]) == 0  # nothing past the hashed prefix
+    assert belief.matched(b) == 8 and router.pick(b) == home      # alike to the router
+    # A 40-unit prompt takes 8 of the belief's 16 entries, so its start is remembered; hashed
+    # whole it would overflow them and the router would forget where the prompt began.
+    whole = Router(RouterSpec(max_prefix_tokens=None).without("tier-prefix"), _idle_replicas(2), 16, 0, 512)
+    assert whole.gpu[whole.pick(a)].matched(a) == 0
+
+
+def test_the_hashed_prefix_is_a_flag_only_where_there_is_a_router(capsys):
+    assert main(["trace", "replay", "--router-prefix-tokens", "0"]) == 2
+    assert "--router-prefix-tokens: one replica: no router to hash prompts" in capsys.readouterr().err
+
+
 def test_a_disk_tier_under_tensor_parallelism_is_refused():
     cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), tp=2))
     with pytest.raises(ValueError, match=r"disk tier under tensor parallelism \(tp=2\) is not modelled"):
@@ -114,8 +141,9 @@ def test_the_llmd_scenario_orders_the_tiers_and_collapses_as_published(llmd):
         none, cpu = rows[(f"{rate} QPS", "none")], rows[(f"{rate} QPS", "cpu:200GiB")]
         assert cpu["mean TTFT"]["kvsim"] < none["mean TTFT"]["kvsim"]  # offload first at every rate, as published
         assert cpu["mean TTFT"]["published"] < none["mean TTFT"]["published"]
-    # The run without offload collapses at the published rate.
-    assert pub["collapses_at"]["none"] == {"kvsim": "10 QPS", "published": "10 QPS"}
+    # Both runs collapse at the published rates.
+    assert pub["collapses_at"] == {"none": {"kvsim": "10 QPS", "published": "10 QPS"},
+                                   "cpu:200GiB": {"kvsim": "25 QPS", "published": "25 QPS"}}
 
 
 def test_the_table_prints_each_rate_beside_the_published_figure(capsys, monkeypatch):
