@@ -29,7 +29,7 @@ from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
 from kvsim.replay import ReplayConfig, Workload, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
-from kvsim.router import MAX_PREFIX_TOKENS, RouterSpec
+from kvsim.router import MAX_PREFIX_TOKENS, SCORERS, RouterSpec
 from kvsim.tiers import parse_tier
 from kvsim.trace import TraceError, read_trace, write_kvsim
 
@@ -67,6 +67,23 @@ def _tier(text: str):
         return parse_tier(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+SCORER_NAMES = cli_args.Names(SCORERS)
+WEIGHT = cli_args.Number(above=0.0)
+
+
+def _router_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``queue=2,gpu-prefix=3``: the router's scorers and their weights."""
+    pairs = [part.partition("=") for part in text.split(",")]
+    for name, sep, _ in pairs:
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected SCORER=WEIGHT pairs separated by commas, got {name!r}")
+    try:
+        names = SCORER_NAMES(",".join(name for name, _, _ in pairs))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(str(e).rsplit(", got ", 1)[0] + f", got {text!r}") from None
+    return tuple(zip(names, (WEIGHT(w) for _, _, w in pairs)))
 
 
 def _bench_or_gpu(text: str) -> str:
@@ -185,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router-prefix-tokens", type=NONNEG_INT, metavar="TOKENS",
                    help=f"leading tokens of a prompt the router's prefix scorers hash (with --replicas; default "
                         f"{MAX_PREFIX_TOKENS:,}: llm-d's 256 blocks of 16; 0: the whole prompt)")
+    r.add_argument("--router-weights", type=_router_weights, metavar="SCORER=W,...",
+                   help="the router's scorers and their weights for every tier, from " + ", ".join(SCORERS)
+                        + " (with --replicas; default: the scenario's, each at 1 for a trace; replicas without "
+                          "an offload tier leave tier-prefix out)")
     r.add_argument("--gpu-kv", type=SIZE, metavar="SIZE",
                    help="GPU KV cache (default: the scenario's, else what vLLM allots on one H200 at 0.9 "
                         "memory utilisation)")
@@ -289,7 +310,7 @@ def _replay(a: argparse.Namespace) -> int:
     replica_kv = hw.kv_bytes(model, gpu)  # refuses a model that leaves no KV cache, before anything is printed
     replicas = a.replicas or (sc.replicas if sc else 1)
     if replicas == 1:
-        _refuse(a, ("router_prefix_tokens",), "one replica: no router to hash prompts (--replicas N)")
+        _refuse(a, ("router_prefix_tokens", "router_weights"), "one replica: no router (--replicas N)")
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
@@ -315,6 +336,8 @@ def _replay(a: argparse.Namespace) -> int:
     router = sc.router if sc else RouterSpec()
     if a.router_prefix_tokens is not None:
         router = dataclasses.replace(router, max_prefix_tokens=a.router_prefix_tokens or None)
+    if a.router_weights is not None:
+        router = dataclasses.replace(router, weights=a.router_weights, untiered_weights=None)
     cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, router)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()

@@ -149,7 +149,7 @@ def _router(cfg: ReplayConfig, engines: list[Engine], unit_blocks: int) -> Route
     spec = cfg.router
     tier = engines[0].tier
     if tier is None:
-        spec = spec.without("tier-prefix")
+        spec = spec.untiered()
     if spec.tier_capacity_tokens is not None:
         tier_units = spec.tier_capacity_tokens // (unit_blocks * cfg.hw.block_size)
     else:

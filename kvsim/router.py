@@ -50,17 +50,25 @@ UNTUNED_LRU_TOKENS = 31_250 * 16
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """Which scorers with which weights; the tier prefix scorer's belief of a replica's
-    tier, in tokens (None: the tier's real capacity); how many leading tokens of a prompt
-    the prefix producer hashes (None: all)."""
+    """Which scorers with which weights (``untiered_weights``: those of the replicas
+    without an offload tier, where they are not ``weights`` less the tier scorer); the
+    tier prefix scorer's belief of a replica's tier, in tokens (None: the tier's real
+    capacity); how many leading tokens of a prompt the prefix producer hashes (None: all)."""
 
     weights: tuple[tuple[str, float], ...] = tuple((s, 1.0) for s in SCORERS)
     tier_capacity_tokens: Optional[int] = None
     max_prefix_tokens: Optional[int] = MAX_PREFIX_TOKENS
+    untiered_weights: Optional[tuple[tuple[str, float], ...]] = None
     seed: int = 0
 
     def without(self, scorer: str) -> "RouterSpec":
         return dataclasses.replace(self, weights=tuple(w for w in self.weights if w[0] != scorer))
+
+    def untiered(self) -> "RouterSpec":
+        """The router of replicas without an offload tier."""
+        if self.untiered_weights is None:
+            return self.without("tier-prefix")
+        return dataclasses.replace(self, weights=self.untiered_weights)
 
 
 class PrefixIndex:

@@ -105,6 +105,11 @@ LLMD_PUBLISHED = Published(
 # with autoTune off, but the producer's makeserver then hands the indexer the constant
 # 31,250 (kvsim/router.py); with 256 hashed blocks a prompt, both hold more prompts than
 # a server is sent (docs/kvsim.md runs both).
+# The HBM-only run is the table's "Optimized Baseline": llm-d's optimized-baseline router
+# of the approximate-scorer releases weighs queue 2, KV-cache utilisation 2, prefix 3 and
+# no-hit LRU 2 (its values file then; llm-d's default-plugins.yaml and the inference
+# extension's standard deployment weigh prefix, KV-cache and queue 3:2:2 likewise).
+LLMD_BASELINE_WEIGHTS = (("queue", 2.0), ("kv-cache-utilization", 2.0), ("gpu-prefix", 3.0), ("no-hit-lru", 2.0))
 SCENARIOS[LLMD] = Scenario(
     LLMD,
     "llm-d's tiered prefix cache guide: Qwen3-32B on 8 replicas of 2 H100s (TP=2) behind llm-d's prefix-aware "
@@ -114,7 +119,7 @@ SCENARIOS[LLMD] = Scenario(
     ("none", "cpu:200GiB"),
     "qwen3-32b", "h200-ramdrive", "always", 256 * GiB,
     gpu_kv_tokens=2_384_000 // 8, gpu="h100", tp=2, replicas=8, max_num_seqs=1024,
-    router=RouterSpec(tier_capacity_tokens=UNTUNED_LRU_TOKENS), published=LLMD_PUBLISHED)
+    router=RouterSpec(tier_capacity_tokens=UNTUNED_LRU_TOKENS, untiered_weights=LLMD_BASELINE_WEIGHTS), published=LLMD_PUBLISHED)
 DEFAULT_SCENARIO = "dram-limited-nvme"
 
 

@@ -95,9 +95,28 @@ def test_the_router_hashes_a_prompts_first_4096_tokens_only():
     assert whole.gpu[whole.pick(a)].matched(a) == 0
 
 
-def test_the_hashed_prefix_is_a_flag_only_where_there_is_a_router(capsys):
-    assert main(["trace", "replay", "--router-prefix-tokens", "0"]) == 2
-    assert "--router-prefix-tokens: one replica: no router to hash prompts" in capsys.readouterr().err
+def test_router_flags_are_refused_without_a_router_and_mistakes_named(capsys):
+    for flag, value in (("--router-prefix-tokens", "0"), ("--router-weights", "queue=2")):
+        assert main(["trace", "replay", flag, value]) == 2
+        assert f"{flag}: one replica: no router (--replicas N)" in capsys.readouterr().err
+    for value, said in (("queue=2,gpu-prefx=3", "unknown 'gpu-prefx' (did you mean 'gpu-prefix'?)"),
+                        ("queue", "expected SCORER=WEIGHT pairs"), ("queue=0", "must be a number > 0"),
+                        ("queue=1,queue=2", "a name given twice")):
+        assert main(["trace", "replay", "--scenario", "llm-d-cpu-offload", "--router-weights", value]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_baseline_run_is_routed_as_llmds_optimized_baseline():
+    router = get_scenario("llm-d-cpu-offload").router
+    # The CPU run: the guide's five scorers at 1; the HBM-only run ("Optimized Baseline"):
+    # queue 2, KV-cache utilisation 2, prefix 3, no-hit LRU 2.
+    assert dict(router.weights) == {s: 1.0 for s in ("queue", "kv-cache-utilization", "gpu-prefix", "tier-prefix",
+                                                     "no-hit-lru")}
+    assert dict(router.untiered().weights) == {"queue": 2.0, "kv-cache-utilization": 2.0, "gpu-prefix": 3.0,
+                                               "no-hit-lru": 2.0}
+    # Without a baseline of its own, the replicas without a tier drop the tier scorer only.
+    assert RouterSpec().untiered().weights == RouterSpec().without("tier-prefix").weights
 
 
 def test_a_disk_tier_under_tensor_parallelism_is_refused():
