@@ -371,6 +371,11 @@ def _replay(a: argparse.Namespace) -> int:
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
                "hardware": dataclasses.asdict(resolved), "gpu": gpu.name, "replicas": replicas,
                "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload}
+        if replicas > 1:  # what the router was told: its scorers' weights and its prefix belief
+            doc["router"] = {"weights": dict(router.weights),
+                             "untiered_weights": dict(router.untiered().weights),
+                             "max_prefix_tokens": router.max_prefix_tokens,
+                             "tier_belief_tokens": router.tier_capacity_tokens}
         if published is not None:
             from kvsim.report import comparison
             doc["published"] = comparison(summaries, published)

@@ -145,6 +145,11 @@ def test_the_llmd_scenario_is_the_guides_deployment(llmd):
     assert llmd["replicas"] == 8 and llmd["gpu"] == "h100" and llmd["hardware"]["tp"] == 2
     # The guide's 2,384,000 GPU tokens over 8 replicas, at Qwen3-32B's 256 KiB per token.
     assert llmd["hardware"]["gpu_kv_bytes"] == 298_000 * 262_144
+    # The JSON says how the router was set: hashing 4,096 tokens a prompt, believing each
+    # replica's CPU holds 31,250 blocks of 16 tokens.
+    assert llmd["router"]["max_prefix_tokens"] == 4096 and llmd["router"]["tier_belief_tokens"] == 500_000
+    assert llmd["router"]["untiered_weights"] == {"queue": 2.0, "kv-cache-utilization": 2.0, "gpu-prefix": 3.0,
+                                                  "no-hit-lru": 2.0}
     tiers = {t["tier"]: t for t in llmd["tiers"]}
     assert set(tiers) == {"none", "cpu:200GiB"}
     for t in tiers.values():
