@@ -76,9 +76,9 @@ WEIGHT = cli_args.Number(above=0.0)
 def _router_weights(text: str) -> tuple[tuple[str, float], ...]:
     """``queue=2,gpu-prefix=3``: the router's scorers and their weights."""
     pairs = [part.partition("=") for part in text.split(",")]
-    for name, sep, _ in pairs:
-        if not sep:
-            raise argparse.ArgumentTypeError(f"expected SCORER=WEIGHT pairs separated by commas, got {name!r}")
+    if any(not sep or not name.strip() for name, sep, _ in pairs):
+        raise argparse.ArgumentTypeError(f"expected SCORER=WEIGHT pairs separated by commas (scorers: "
+                                         f"{', '.join(SCORERS)}), got {text!r}")
     try:
         names = SCORER_NAMES(",".join(name for name, _, _ in pairs))
     except argparse.ArgumentTypeError as e:
