@@ -27,7 +27,7 @@ from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
-from kvsim.replay import ReplayConfig, Workload, replay
+from kvsim.replay import ReplayConfig, Workload, check, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
 from kvsim.router import MAX_PREFIX_TOKENS, SCORERS, RouterSpec
 from kvsim.tiers import parse_tier
@@ -339,6 +339,8 @@ def _replay(a: argparse.Namespace) -> int:
     if a.router_weights is not None:
         router = dataclasses.replace(router, weights=a.router_weights, untiered_weights=None)
     cfg = ReplayConfig(model, hw, policy, profile, gpu, replicas, router)
+    for spec in tiers:  # a tier that cannot be set up is refused before anything replays or is said
+        check(work, spec, cfg)
     summaries, ttfts = [], []
     show = not a.json and sys.stderr.isatty()
     if show:

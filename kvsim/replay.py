@@ -107,19 +107,11 @@ def build(
     """The loop with ``requests``' arrivals queued and the replicas' engines wired to it,
     not yet run. ``work``: the whole workload, when ``requests`` is its first stage."""
     hw, model = cfg.hw, cfg.model
-    every = work.all() if work is not None else requests
-    tokens = {r.block_tokens for r in every}
-    if len(tokens) > 1:
-        raise ValueError(f"the trace mixes trace blocks of {sorted(tokens)} tokens; kvsim needs one size")
-    unit_blocks = next(iter(tokens)) // hw.block_size if tokens else 1
-    distinct = len({h for r in every for h in r.hash_ids}) if spec.kind != "none" else 0
+    unit_blocks, make = _tier_maker(work if work is not None else Workload.of(requests), spec, cfg)
     loop = EventLoop()
     engines = []
     for _ in range(cfg.replicas):
-        tier = None
-        if spec.kind != "none":
-            tier = make_tier(spec, hw, cfg.profile, model.kv_bytes_per_token * hw.block_size, unit_blocks, distinct)
-        engines.append(Engine(model, hw, tier, loop.next_arrival, cfg.load_policy, cfg.gpu))
+        engines.append(Engine(model, hw, make(), loop.next_arrival, cfg.load_policy, cfg.gpu))
     router = _router(cfg, engines, unit_blocks)
     finished = [0]
 
@@ -141,6 +133,26 @@ def build(
     loop.on(Kind.STEP, on_step)
     _push(loop, requests, 0, 0)
     return loop, engines
+
+
+def _tier_maker(work: Workload, spec: TierSpec, cfg: ReplayConfig) -> tuple[int, Callable[[], Optional[Tier]]]:
+    """The workload's unit in vLLM blocks, and what makes one replica's tier (None for
+    ``none``)."""
+    every = work.all()
+    tokens = {r.block_tokens for r in every}
+    if len(tokens) > 1:
+        raise ValueError(f"the trace mixes trace blocks of {sorted(tokens)} tokens; kvsim needs one size")
+    unit_blocks = next(iter(tokens)) // cfg.hw.block_size if tokens else 1
+    if spec.kind == "none":
+        return unit_blocks, lambda: None
+    distinct = len({h for r in every for h in r.hash_ids})
+    block_bytes = cfg.model.kv_bytes_per_token * cfg.hw.block_size
+    return unit_blocks, lambda: make_tier(spec, cfg.hw, cfg.profile, block_bytes, unit_blocks, distinct)
+
+
+def check(requests: "Sequence[TraceRequest] | Workload", spec: TierSpec, cfg: ReplayConfig) -> None:
+    """Refuse what ``replay`` would refuse in setting up ``spec``'s tier, before any replay."""
+    _tier_maker(Workload.of(requests), spec, cfg)[1]()
 
 
 def _router(cfg: ReplayConfig, engines: list[Engine], unit_blocks: int) -> Router:

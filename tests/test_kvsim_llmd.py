@@ -125,6 +125,18 @@ def test_a_disk_tier_under_tensor_parallelism_is_refused():
         replay(_groups_trace(1, 1, 1), parse_tier("disk:1TB"), cfg)
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--tp", "2"], "tier vllm-disk:1TB: a disk tier under tensor parallelism (tp=2) is not modelled"),
+    (["--tier", "none", "--tier", "cpu:1KB"], "tier cpu:1KB: smaller than one unit of 32 2097152-byte slots"),
+])
+def test_a_tier_that_cannot_be_set_up_is_one_line_before_anything_replays(capsys, flags, said):
+    # The tiers before the one refused would replay first, and say what they model.
+    trace = str(Path(__file__).parent / "kvsim_fixtures" / "mini_mooncake.jsonl")
+    assert main(["trace", "replay", trace, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvsim: error: {said}") and err.count("\n") == 1, err
+
+
 @pytest.fixture(scope="module")
 def llmd():
     return json.loads(_run_json(["trace", "replay", "--scenario", "llm-d-cpu-offload", "--json"]))
