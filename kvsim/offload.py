@@ -48,13 +48,6 @@ class LoadPlan:
     promote: Any = None  # a two-level tier's disk part (tiering.py)
 
 
-def refuse_disk_under_tp(spec: TierSpec, tp: int) -> None:
-    """A disk level under tensor parallelism is refused: its ranks would share the host's
-    drives, which kvsim does not model."""
-    if tp > 1 and any(level is not None and level.pipeline is not None for level in (spec, spec.secondary)):
-        raise ValueError(f"tier {spec.text}: a disk tier under tensor parallelism (tp={tp}) is not modelled")
-
-
 class OffloadTier:
     def __init__(self, spec: TierSpec, hw: Hardware, profile: IoProfile, block_bytes: int, unit_blocks: int,
                  max_units: Optional[int] = None, host_device: bool = False, null_block: bool = True) -> None:
@@ -78,7 +71,8 @@ class OffloadTier:
         # Tensor parallelism: each of the replica's GPUs moves its share of every block over
         # its own PCIe link, at once (vLLM's CPU tier; a disk tier's ranks would share the
         # host's drives, which kvsim does not model).
-        refuse_disk_under_tp(spec, hw.tp)
+        if disk and hw.tp > 1:
+            raise ValueError(f"tier {spec.text}: a disk tier under tensor parallelism (tp={hw.tp}) is not modelled")
         self.ranks = hw.tp
         self.xfer = TransferModel(profile, self.pipe, block_bytes // hw.tp, slot_bytes, host_device)
         threads = self.xfer.threads if disk else 1
