@@ -281,8 +281,10 @@ def _plot_target(path: str) -> None:
 def _replay(a: argparse.Namespace) -> int:
     sc = None
     if a.trace is None:
-        _refuse(a, ("time_scale", "sample", "limit"), "trace flags; without a TRACE the reload scenario "
-                "replays (its rates: --fill-rate, --reload-rate)")
+        sc = get_scenario(a.scenario or DEFAULT_SCENARIO)
+        _refuse(a, ("time_scale", "sample", "limit"), f"trace flags; without a TRACE scenario {sc.name} replays "
+                + ("its reload workload (its rates: --fill-rate, --reload-rate)"
+                   if isinstance(sc.workload, ReloadScenario) else "its own stages at the rates its source states"))
         sc, work = _scenario(a)
     else:
         _refuse(a, SCENARIO_FLAGS, "reload-scenario flags; they do nothing with a TRACE")

@@ -105,7 +105,11 @@ def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--time-scale", "3"], "--time-scale: trace flags; without a TRACE the reload scenario replays"),
+    (["--time-scale", "3"], "--time-scale: trace flags; without a TRACE scenario dram-limited-nvme replays its "
+                            "reload workload"),
+    (["--scenario", "llm-d-cpu-offload", "--time-scale", "2"],
+     "--time-scale: trace flags; without a TRACE scenario llm-d-cpu-offload replays its own stages at the rates "
+     "its source states"),
     (["--sample", "0.5", "--limit", "3"], "--sample, --limit: trace flags"),
     ([MINI, "--contexts", "8"], "--contexts: reload-scenario flags; they do nothing with a TRACE"),
     ([MINI, "--seed", "3"], "--seed: --seed only seeds --sample for a trace"),
