@@ -332,7 +332,8 @@ def _replay(a: argparse.Namespace) -> int:
             print(said.pop(0), file=sys.stderr)
 
     where = f"{replicas} replicas of " if replicas > 1 else ""
-    title = (f"{title}: {len(work):,} requests, {model.name} on {where}{hw.tp if hw.tp > 1 else 'one'} "
+    title = (f"{title}: {len(work):,} request{'s' if len(work) != 1 else ''}, {model.name} on {where}"
+             f"{hw.tp if hw.tp > 1 else 'one'} "
              f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
              f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
     router = sc.router if sc else RouterSpec()
