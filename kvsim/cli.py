@@ -164,9 +164,9 @@ def _model(a: argparse.Namespace, default: str):
 def build_parser() -> argparse.ArgumentParser:
     top = cli_args.Parser(prog="kvsim", description="Discrete-event simulator of vLLM KV-cache offload.",
                           epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = top.add_subparsers(dest="cmd", required=True)
+    cmds = top.add_subparsers(dest="cmd", required=True, metavar="trace|calibrate")
     trace = cmds.add_parser("trace", help="replay, generate or measure traces")
-    sub = trace.add_subparsers(dest="action", required=True)
+    sub = trace.add_subparsers(dest="action", required=True, metavar="replay|generate|hitrate")
 
     r = sub.add_parser("replay", help="replay a trace once per tier and compare",
                        description="With no TRACE, replays the built-in reload scenario (docs/kvsim.md).")

@@ -230,3 +230,13 @@ def test_the_readmes_main_job_warns_only_as_the_readme_explains(capsys):
     assert len(shares) == 7 and [round(v) for v in shares[:3]] == [37, 37, 7]  # none, cpu:8GiB, disk:100GB
     assert max(shares[3:]) < 2  # the four 200 GB tiers: the README's "under 2%"
     assert "kvsim: overloaded" not in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: trace|calibrate"),
+    (["trace"], "the following arguments are required: replay|generate|hitrate"),
+])
+def test_a_missing_command_names_the_commands(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"kvsim: error: {message}" in err and err.count("\n") == 1
