@@ -44,6 +44,7 @@ COMMANDS = """commands:
   trace hitrate TRACE         untimed LRU token hit rate at given capacities (the oracle)
   calibrate BENCH.json        fit an IO hardware profile to `python -m kvoffload.bench --json`
   calibrate gpu               time engine steps on this machine's GPU and fit the step-time model
+  calibrate gpu --allreduce N time tensor parallelism's all-reduce across N of this machine's GPUs
 """
 
 
@@ -260,9 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the layers' own ops to time each step with: eager (each torch op its own kernel) and/or "
                          "compiled (fused by torch.compile, as vLLM runs them); default eager")
     gg.add_argument("--smoke", action="store_true", help="a few tiny shapes: every code path once, no real timing")
-    gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE,
+    gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE, action="append",
                     help="fit to the measurements in FILE (a GPU profile or a `calibrate gpu` output) instead of "
-                         "timing again")
+                         "timing again; repeat it to add an --allreduce output's all-reduces to a run's steps")
+    gg.add_argument("--allreduce", metavar="TP", type=cli_args.Integer(2, 8),
+                    help="time tensor parallelism's all-reduce of the hidden state across TP GPUs of this machine "
+                         "(one process each) instead of layer stacks, and write the measurements: give them with "
+                         "--measurements beside a run's steps to fit a profile's all-reduce")
     return top
 
 
@@ -433,7 +438,7 @@ def _hitrate(a: argparse.Namespace) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     if a.bench == "gpu":
         return _calibrate_gpu(a)
-    _refuse(a, ("models", "depth", "budget_s", "device", "measurements", "kernels"),
+    _refuse(a, ("models", "depth", "budget_s", "device", "measurements", "kernels", "allreduce"),
             "GPU flags; they need calibrate gpu")
     if a.smoke:
         raise ValueError("--smoke: a GPU flag; it needs calibrate gpu")
@@ -458,11 +463,13 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
     _refuse(a, ("base", "drives"), "IO flags; they need calibrate BENCH.json")
     command = "python -m kvsim " + " ".join(sys.argv[1:] if a.argv is None else a.argv)
     if a.measurements:
-        _refuse(a, ("models", "depth", "budget_s", "device", "kernels"),
+        _refuse(a, ("models", "depth", "budget_s", "device", "kernels", "allreduce"),
                 "timing flags; --measurements fits without timing")
         if a.smoke:
             raise ValueError("--smoke: a timing flag; --measurements fits without timing")
-        doc = gpucal.read_measurements(a.measurements)
+        doc = gpucal.merge(a.measurements)
+    elif a.allreduce:
+        return _calibrate_allreduce(a, command)
     else:
         device = a.device or "cuda"
         if a.smoke and device == "cuda" or not a.smoke and device == "cpu":
@@ -482,6 +489,34 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
     else:
         sys.stdout.write(json.dumps(profile.to_json(), indent=1) + "\n")
         print(text, file=sys.stderr)
+    return 0
+
+
+def _calibrate_allreduce(a: argparse.Namespace, command: str) -> int:
+    """``calibrate gpu --allreduce TP``: the all-reduces timed, as measurements to fit beside a run's steps."""
+    from kvsim import allreduce, gpucal
+
+    _refuse(a, ("models", "depth", "kernels", "budget_s", "name"), "layer-stack flags; --allreduce times no layers")
+    device = a.device or "cuda"
+    if a.smoke != (device == "cpu"):
+        raise ValueError("--device cpu and --smoke go together: a CPU times nothing an engine runs, and the "
+                         "smoke shapes are too small to fit")
+    gpucal.require_torch(device)
+    doc = {"commands": [command], "machine": gpucal.machine(device), "measurements": [],
+           "allreduce": allreduce.run(a.allreduce, device, a.smoke)}
+    text = json.dumps(doc, indent=1) + "\n"
+    if any(r["vllm"] for r in doc["allreduce"]):
+        us, gb_s = allreduce.fit(doc["allreduce"])
+        table = f"{allreduce.table(doc['allreduce'], us, gb_s)}\nfit: allreduce_us {us:.3f}, allreduce_gb_s {gb_s:.1f}"
+    else:
+        table = f"{len(doc['allreduce'])} all-reduces timed ({device}, smoke): none by a path vLLM runs, nothing fitted"
+    if a.out:
+        cli_args.write_output(a.out, text)
+        print(table)
+        print(f"kvsim: wrote {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+        print(table, file=sys.stderr)
     return 0
 
 

@@ -7,7 +7,7 @@ tokens of ``S`` sequences: prefill chunks and ``D`` decode tokens together. Its 
   + attention F_attn / attn_rate                               prefill FLOPs
             + KV / min(kv_rate, D * H_kv * kv_head_rate)       decode's reads of the cached KV
   + per token T * L * token_layer, per layer L * layer          norms, RoPE, small kernels
-  + all-reduce 2 L (allreduce + T * hidden * 2 / allreduce_rate) when tp > 1
+  + all-reduce 2 L (allreduce + T * hidden * 2 / allreduce_rate) when tp > 1   (kvsim/allreduce.py)
   step = max(host step_fixed, the GPU's sum above)           scheduling, sampling [est],
                                                                overlapped (vLLM's async scheduling)
 
@@ -36,8 +36,9 @@ differences (``EngineKernels``), not measured here and not fitted: prefill atten
 ``attn_speedup`` times the FLOP rate timed, and decode attention splitting a context over
 thread blocks (FA3's split-KV) so that its KV is read at the HBM's rate however few
 sequences decode. ``kernels="timed"`` gives the stack as timed (what ``calibrate gpu``
-fits); the engine uses ``kernels="engine"``. The all-reduce and the host's cost per step
-are not measured: each profile says where they come from.
+fits); the engine uses ``kernels="engine"``. The all-reduce is timed apart, across GPUs
+(``calibrate gpu --allreduce``); the host's cost per step is not measured: each profile
+says where they come from.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class GpuProfile:
     commands: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
     engine: EngineKernels = EngineKernels()
+    # The all-reduces timed across GPUs (calibrate gpu --allreduce), when allreduce_us and
+    # allreduce_gb_s are fitted to them: for the record and the test that holds the fit.
+    allreduce: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,7 +151,7 @@ class GpuProfile:
                 + m.layers * (tokens * f.token_layer_ns * 1e-9 / tp + f.layer_us * 1e-6))
 
     def allreduce_s(self, m: ModelShape, tp: int, tokens: int) -> float:
-        """Tensor parallelism's two all-reduces of the hidden state per layer (not measured)."""
+        """Tensor parallelism's two all-reduces of the hidden state per layer."""
         if tp == 1:
             return 0.0
         return 2 * m.layers * (self.allreduce_us * 1e-6 + tokens * m.hidden * 2 / (self.allreduce_gb_s * 1e9))
@@ -185,14 +189,15 @@ class GpuProfile:
                why: str) -> "GpuProfile":
         """Another GPU from this one by published ratios only: memory-bound parts scale with
         HBM bandwidth, compute-bound parts with the tensor rate, the rest stays (the
-        per-layer floor, and what one thread block streams: ``derive`` is for GPUs of the
-        same SMs)."""
+        per-layer floor, what one thread block streams, and the all-reduce: ``derive`` is
+        for GPUs of the same SMs and NVLink)."""
         f = self.fit
         fit = dataclasses.replace(f, weight_gb_s=f.weight_gb_s * bandwidth_ratio, kv_gb_s=f.kv_gb_s * bandwidth_ratio,
                                   token_layer_ns=f.token_layer_ns / bandwidth_ratio,
                                   gemm_tflops=f.gemm_tflops * compute_ratio, attn_tflops=f.attn_tflops * compute_ratio)
         return dataclasses.replace(self, name=name, source=f"derived from {self.name} ({self.source})",
-                                   hbm_bytes=hbm_bytes, fit=fit, notes=[why, *self.notes], measurements=[])
+                                   hbm_bytes=hbm_bytes, fit=fit, notes=[why, *self.notes], measurements=[],
+                                   allreduce=[])
 
 
 # -- the linear layers: GEMMs as waves of tiles -----------------------------------------------
@@ -278,7 +283,8 @@ DERIVED = {
                  why="H100 SXM5 from the H200 by the datasheets: HBM 3.35 against 4.8 TB/s (x0.698 on weight and "
                      "KV reads and per-token work), the same 989 TFLOP/s dense bf16 (x1.0 on GEMMs and attention), "
                      "the same GH100 chip's 132 SMs (x1.0 on what one decode thread block streams: bound by the bytes "
-                     "one SM keeps in flight, not by the HBM's total [est]), 80 GB"),
+                     "one SM keeps in flight, not by the HBM's total [est]), the same NVLink 4 at 900 GB/s both ways (x1.0 "
+                     "on the all-reduce), 80 GB"),
 }
 GPUS = (*MEASURED, *DERIVED)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from kvoffload.cli_args import finite_number, integer_at_least, read_json, require
+from kvsim import allreduce
 from kvsim.gpu import SMS, SPLITS, TILES, EngineKernels, GpuProfile, StepFit
 from kvsim.models import MODELS, ModelShape, get_model
 
@@ -538,10 +539,7 @@ def table(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) 
 
 # -- the command's two halves -----------------------------------------------------------------
 
-# Not measured here: the engine's host work per step (notes §4.4, 3-5 ms [est]) and
-# NVLink 4's all-reduce (H100 and H200 SXM: 900 GB/s both ways, 450 each; NCCL's bus
-# bandwidth taken as 80% of that, 360 GB/s, and vLLM's custom all-reduce for small
-# messages as about 10 us [est]).
+# Not measured here: the engine's host work per step (notes §4.4, 3-5 ms [est]).
 STEP_FIXED_MS = 4.0
 # What vLLM runs on Hopper instead of the stack's torch kernels (gpu.py, EngineKernels):
 # FlashAttention 3, whose paper (Shah et al. 2024, arXiv:2407.08608, abstract) reports it
@@ -556,6 +554,9 @@ ENGINE_KERNELS = EngineKernels(
         "1.75x the rate timed (FA3 paper, arXiv:2407.08608: 1.5-2.0x FA2 on the H100 in FP16/BF16; the middle "
         "taken, not measured), decode attention split over blocks (FA3's num_splits_heuristic) so its KV is read "
         "at kv_gb_s however few sequences decode")
+# NVLink 4's all-reduce where none was timed across GPUs (kvsim/allreduce.py times it):
+# H100 and H200 SXM move 900 GB/s both ways, 450 each; NCCL's bus bandwidth taken as 80%
+# of that, 360 GB/s, and vLLM's custom all-reduce for small messages as about 10 us [est].
 ALLREDUCE_US, ALLREDUCE_GB_S = 10.0, 360.0
 # The H200's memory by its datasheet, 141 GB: what vLLM's 0.9 share is taken of.
 H200_HBM_BYTES = 141e9
@@ -573,11 +574,13 @@ def require_torch(device: str) -> None:
 
 
 def read_measurements(path: str) -> dict[str, Any]:
-    """A ``calibrate gpu`` output or a GPU profile: its commands, machine and checked measurements."""
+    """A ``calibrate gpu`` output or a GPU profile: its commands, machine, checked step
+    measurements and all-reduces (``calibrate gpu --allreduce``)."""
     doc = read_json(path)
-    require(isinstance(doc, dict) and isinstance(doc.get("measurements"), list), path, doc, "measurements",
+    require(isinstance(doc, dict) and isinstance(doc.get("measurements", []), list)
+            and ("measurements" in doc or "allreduce" in doc), path, doc, "measurements",
             "expected an object with a list of measurements (a `calibrate gpu` output or a GPU profile)")
-    for i, r in enumerate(doc["measurements"]):
+    for i, r in enumerate(doc.get("measurements", [])):
         require(isinstance(r, dict), path, doc["measurements"], i, "a measurement is an object")
         m = r.get("model")
         require(m in MODELS and MODELS[m].buildable, path, r, "model", f"unknown model {m!r}")
@@ -592,10 +595,26 @@ def read_measurements(path: str) -> dict[str, Any]:
         require(finite_number(r.get("step_ms")) and r["step_ms"] > 0, path, r, "step_ms", "step_ms must be > 0")
         require(r.get("kernels", "eager") in ("eager", "compiled"), path, r, "kernels",
                 "kernels must be \"eager\" or \"compiled\"")
-    require(len(fitted(doc["measurements"])) > 0, path, doc, "measurements", "no measurements to fit")
+    if doc.get("measurements"):
+        require(len(fitted(doc["measurements"])) > 0, path, doc, "measurements", "no measurements to fit")
     return {"commands": [c for c in doc.get("commands", []) if isinstance(c, str)],
             "machine": doc.get("machine") if isinstance(doc.get("machine"), dict) else {},
-            "measurements": doc["measurements"]}
+            "measurements": doc.get("measurements", []),
+            "allreduce": allreduce.check(doc.get("allreduce", []), path, doc)}
+
+
+def merge(paths: Sequence[str]) -> dict[str, Any]:
+    """The measurements of several files as one document to fit: the steps of one run (a
+    profile, or a ``calibrate gpu`` output) and the all-reduces of another; the machine is
+    the steps'."""
+    docs = [read_measurements(p) for p in paths]
+    steps = [d for d in docs if d["measurements"]]
+    if not steps:
+        raise ValueError(f"{', '.join(paths)}: no step measurements to fit (an --allreduce output holds only "
+                         f"all-reduces: give it beside a profile or a `calibrate gpu` output)")
+    return {"commands": [c for d in docs for c in d["commands"]], "machine": steps[0]["machine"],
+            "measurements": [r for d in docs for r in d["measurements"]],
+            "allreduce": [r for d in docs for r in d["allreduce"]]}
 
 
 def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
@@ -609,6 +628,8 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     how = mach.get("method") or ("layer stacks of random bf16 weights replayed from CUDA graphs, median of the "
                                  "replays, scaled to the full depth (kvsim/gpucal.py)")
     used = fitted(recs)
+    ar = doc.get("allreduce", [])
+    ar_us, ar_gb_s, allreduce_note = _allreduce_terms(ar)
     kind = fit_kernels(recs)
     other = sum(r.get("kernels", "eager") != kind for r in recs)
     excluded = len(recs) - len(used) - other
@@ -628,8 +649,7 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
         f"engine kernels: {ENGINE_KERNELS.why}",
         f"step_fixed_ms {STEP_FIXED_MS}: the engine's host work per step, not measured (notes §4.4: 3-5 ms [est]); "
         f"vLLM's async scheduling (on by default since v0.14) overlaps it with the GPU's step (kvsim/engine.py)",
-        f"allreduce {ALLREDUCE_US} us + bytes at {ALLREDUCE_GB_S} GB/s: NVLink 4 (450 GB/s each way) at 80% [est]; "
-        f"not measured (one GPU)",
+        allreduce_note,
         f"hbm_bytes {hbm:.4g}: {'the H200 datasheet' if 'H200' in gpu else 'the device total'}",
     ]
     if not any(r["decode"][0] for r in used):
@@ -646,11 +666,32 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     if "source" in mach:
         notes.append(f"measurements: {mach['source']}")
     commands = list(doc["commands"]) + ([refit] if refit else [])
-    prof = GpuProfile(name, f"measured on {gpu}", hbm, fit, STEP_FIXED_MS, ALLREDUCE_US, ALLREDUCE_GB_S, notes,
-                      recs, commands, mach, ENGINE_KERNELS)
+    prof = GpuProfile(name, f"measured on {gpu}", hbm, fit, STEP_FIXED_MS, ar_us, ar_gb_s, notes,
+                      recs, commands, mach, ENGINE_KERNELS, ar)
     errors = [abs(predicted_ms(prof, r) / r["step_ms"] - 1) for r in fitted(recs)]
     text = table(prof, recs, tolerance) + (f"\nfit: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items())
                                            + f"; worst error {100 * max(errors):.1f}%, "
                                              f"{sum(e > tolerance for e in errors)} of {len(errors)} steps beyond "
                                              f"{100 * tolerance:g}%")
+    if any(r["vllm"] for r in ar):
+        text += "\n" + allreduce.table(ar, ar_us, ar_gb_s)
     return prof, text
+
+
+def _allreduce_terms(records: Sequence[dict[str, Any]]) -> tuple[float, float, str]:
+    """``allreduce_us``, ``allreduce_gb_s`` and the note saying where they come from: fitted
+    to the all-reduces timed with vLLM's path, else the estimates."""
+    used = [r for r in records if r["vllm"]]
+    if not used:
+        return ALLREDUCE_US, ALLREDUCE_GB_S, (
+            f"allreduce {ALLREDUCE_US} us + bytes at {ALLREDUCE_GB_S} GB/s: NVLink 4 (450 GB/s each way) at 80% "
+            f"[est]; not measured (no all-reduce timed across GPUs: calibrate gpu --allreduce)")
+    us, gb_s = allreduce.fit(records)
+    errors = [allreduce.predicted_us(us, gb_s, r["bytes"]) / r["us"] - 1 for r in used]
+    tps = ", ".join(str(t) for t in sorted({r["tp"] for r in used}))
+    return us, gb_s, (
+        f"allreduce {us:.2f} us + bytes at {gb_s:.0f} GB/s: fitted to {len(used)} all-reduces of the hidden state "
+        f"timed across {tps} GPUs (calibrate gpu --allreduce, kvsim/allreduce.py), each size by the path vLLM runs "
+        f"on Hopper (its custom all-reduce, for which torch's symmetric-memory one- and two-shot stand in, below 8 "
+        f"MiB; two-shot to 64 MiB; NCCL above), replayed from CUDA graphs; errors {100 * min(errors):+.0f}% to "
+        f"{100 * max(errors):+.0f}%; applied at every tp")

@@ -265,3 +265,85 @@ def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys, field,
                    '"step_ms": 1}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
     assert f"{bad}:2: {message}" in capsys.readouterr().err
+
+
+# -- tensor parallelism's all-reduce (kvsim/allreduce.py) ---------------------------------------
+
+
+def test_each_all_reduce_size_is_fitted_by_the_path_vllm_runs_on_hopper():
+    from kvsim.allreduce import MiB, vllm_path
+    # Two GPUs: vLLM's custom all-reduce (one stage) below its 8 MiB buffer, symmetric
+    # memory's two-shot to 64 MiB, NCCL above; four: its two stages from 512 KiB.
+    assert [vllm_path(b, 2) for b in (10 * 1024, 8 * MiB - 16, 8 * MiB, 64 * MiB, 64 * MiB + 16)] == \
+        ["one-shot", "one-shot", "two-shot", "two-shot", "nccl"]
+    assert [vllm_path(b, 4) for b in (256 * 1024, 512 * 1024, 40 * MiB)] == ["one-shot", "two-shot", "nccl"]
+
+
+def _allreduce_records(us: float, gb_s: float, noise: float = 0.0) -> list[dict]:
+    from kvsim.allreduce import predicted_us, vllm_path
+    out = []
+    for i, t in enumerate((1, 16, 256, 2048, 8192)):
+        b = t * 5120 * 2
+        for impl in ("one-shot", "two-shot", "nccl"):
+            right = impl == vllm_path(b, 2)
+            out.append(dict(tp=2, hidden=5120, tokens=t, bytes=b, impl=impl, vllm=right,
+                            us=predicted_us(us, gb_s, b) * (1 + noise * (-1) ** i) * (1 if right else 3)))
+    return out
+
+
+def test_the_all_reduce_fit_recovers_its_terms_from_the_sizes_vllm_runs():
+    from kvsim.allreduce import fit
+    us, gb_s = fit(_allreduce_records(12.0, 300.0))
+    assert us == pytest.approx(12.0, rel=1e-6) and gb_s == pytest.approx(300.0, rel=1e-6)
+    us, gb_s = fit(_allreduce_records(12.0, 300.0, noise=0.05))  # the 3x slower paths vLLM skips are not fitted
+    assert us == pytest.approx(12.0, rel=0.15) and gb_s == pytest.approx(300.0, rel=0.15)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        fit([r for r in _allreduce_records(12.0, 300.0) if r["tokens"] == 1])
+
+
+def test_a_profile_takes_its_all_reduce_from_the_all_reduces_timed(tmp_path, capsys):
+    ar = tmp_path / "allreduce.json"
+    ar.write_text(json.dumps({"commands": ["python -m kvsim calibrate gpu --allreduce 2 -o allreduce.json"],
+                              "machine": {"gpu": "NVIDIA H200"}, "measurements": [],
+                              "allreduce": _allreduce_records(12.0, 300.0)}))
+    out = tmp_path / "gpu.json"
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--measurements", str(ar), "-o", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["allreduce_us"] == pytest.approx(12.0) and prof["allreduce_gb_s"] == pytest.approx(300.0)
+    assert len(prof["allreduce"]) == 15 and prof["machine"]["gpu"] == "NVIDIA H200"
+    assert prof["commands"][-2] == "python -m kvsim calibrate gpu --allreduce 2 -o allreduce.json"
+    assert any(n.startswith("allreduce 12.00 us + bytes at 300 GB/s: fitted to 5 all-reduces") for n in prof["notes"])
+    assert "one-shot" in capsys.readouterr().out  # the table of the sizes fitted
+    # Alone, an --allreduce output has no steps to fit.
+    assert main(["calibrate", "gpu", "--measurements", str(ar)]) == 2
+    assert "no step measurements to fit" in capsys.readouterr().err
+
+
+def test_the_all_reduce_path_runs_between_two_processes_on_the_cpu(tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "ar.json"
+    assert main(["calibrate", "gpu", "--allreduce", "2", "--device", "cpu", "--smoke", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["measurements"] == [] and len(doc["allreduce"]) == 2
+    assert all(r["impl"] == "gloo" and not r["vllm"] and r["us"] > 0 for r in doc["allreduce"])
+    assert "nothing fitted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--allreduce", "2", "--models", "llama3-8b"], "--models: layer-stack flags; --allreduce times no layers"),
+    (["--allreduce", "1"], "argument --allreduce: must be an integer in [2, 8]"),
+    (["--allreduce", "2", "--measurements", str(PROFILE)], "--allreduce: timing flags; --measurements fits"),
+    *([] if gpucal_cuda() else [(["--allreduce", "2"], "calibrate gpu needs a CUDA GPU")]),
+])
+def test_calibrate_gpu_allreduce_refuses_a_mistake_in_one_line(capsys, argv, message):
+    assert main(["calibrate", "gpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_bad_all_reduce_measurement_is_named_with_its_line(tmp_path, capsys):
+    bad = tmp_path / "ar.json"
+    bad.write_text('{"measurements": [], "allreduce": [\n {"tp": 2, "bytes": 10, "us": 1.0, "vllm": true},\n'
+                   ' {"tp": 2, "bytes": 10, "us": 0, "vllm": true}\n]}\n')
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--measurements", str(bad)]) == 2
+    assert f"{bad}:3: us must be a number > 0" in capsys.readouterr().err
