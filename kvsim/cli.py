@@ -435,6 +435,19 @@ def _hitrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(out: Optional[str], doc: str, table: str) -> int:
+    """A calibration's document to ``out`` and its table to stdout, or the document to
+    stdout and the table to stderr (so that stdout stays the document alone)."""
+    if out:
+        cli_args.write_output(out, doc)
+        print(table)
+        print(f"kvsim: wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(doc)
+        print(table, file=sys.stderr)
+    return 0
+
+
 def _calibrate(a: argparse.Namespace) -> int:
     if a.bench == "gpu":
         return _calibrate_gpu(a)
@@ -447,14 +460,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     profile = calibrate(load_bench(a.bench), name, a.bench, base, a.drives)
     text = json.dumps(profile.to_json(), indent=1) + "\n"
     table = fidelity_table(profile)
-    if a.out:
-        cli_args.write_output(a.out, text)
-        print(table)
-        print(f"kvsim: wrote {a.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-        print(table, file=sys.stderr)
-    return 0
+    return _emit(a.out, text, table)
 
 
 def _calibrate_gpu(a: argparse.Namespace) -> int:
@@ -482,14 +488,7 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
                          cli_args.write_output, a.kernels or ("eager",))
     name = a.name or (Path(a.out).stem.replace("_", "-").removeprefix("gpu-") if a.out else "gpu")
     profile, text = gpucal.profile_of(doc, name, command if a.measurements else None)
-    if a.out:
-        cli_args.write_output(a.out, json.dumps(profile.to_json(), indent=1) + "\n")
-        print(text)
-        print(f"kvsim: wrote {a.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(json.dumps(profile.to_json(), indent=1) + "\n")
-        print(text, file=sys.stderr)
-    return 0
+    return _emit(a.out, json.dumps(profile.to_json(), indent=1) + "\n", text)
 
 
 def _calibrate_allreduce(a: argparse.Namespace, command: str) -> int:
@@ -510,14 +509,7 @@ def _calibrate_allreduce(a: argparse.Namespace, command: str) -> int:
         table = f"{allreduce.table(doc['allreduce'], us, gb_s)}\nfit: allreduce_us {us:.3f}, allreduce_gb_s {gb_s:.1f}"
     else:
         table = f"{len(doc['allreduce'])} all-reduces timed ({device}, smoke): none by a path vLLM runs, nothing fitted"
-    if a.out:
-        cli_args.write_output(a.out, text)
-        print(table)
-        print(f"kvsim: wrote {a.out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-        print(table, file=sys.stderr)
-    return 0
+    return _emit(a.out, text, table)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
