@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from kvoffload.cli_args import finite_number, integer_at_least, read_json, require
@@ -607,12 +608,20 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
     """The measurements of several files as one document to fit: the steps of one run (a
     profile, or a ``calibrate gpu`` output) and the all-reduces of another; the machine is
     the steps'."""
+    seen: set[Path] = set()
+    for p in paths:
+        if Path(p).resolve() in seen:
+            raise ValueError(f"--measurements {p}: given twice; its measurements would count twice")
+        seen.add(Path(p).resolve())
     docs = [read_measurements(p) for p in paths]
-    steps = [d for d in docs if d["measurements"]]
+    steps = [(p, d) for p, d in zip(paths, docs) if d["measurements"]]
     if not steps:
         raise ValueError(f"{', '.join(paths)}: no step measurements to fit (an --allreduce output holds only "
                          f"all-reduces: give it beside a profile or a `calibrate gpu` output)")
-    return {"commands": [c for d in docs for c in d["commands"]], "machine": steps[0]["machine"],
+    if len(steps) > 1:
+        raise ValueError(f"--measurements {steps[0][0]} and {steps[1][0]}: each holds steps; a profile is fitted "
+                         f"to one run's steps (and another's all-reduces, if any), on one machine")
+    return {"commands": [c for d in docs for c in d["commands"]], "machine": steps[0][1]["machine"],
             "measurements": [r for d in docs for r in d["measurements"]],
             "allreduce": [r for d in docs for r in d["allreduce"]]}
 

@@ -347,3 +347,13 @@ def test_a_bad_all_reduce_measurement_is_named_with_its_line(tmp_path, capsys):
                    ' {"tp": 2, "bytes": 10, "us": 0, "vllm": true}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--measurements", str(bad)]) == 2
     assert f"{bad}:3: us must be a number > 0" in capsys.readouterr().err
+
+
+def test_measurements_given_twice_or_two_runs_of_steps_are_refused(tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text(PROFILE.read_text())
+    for argv, message in [([str(PROFILE), str(PROFILE.parent / "." / PROFILE.name)], "given twice"),
+                          ([str(PROFILE), str(other)], "each holds steps; a profile is fitted to one run's steps")]:
+        assert main(["calibrate", "gpu", *[x for p in argv for x in ("--measurements", p)]]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
