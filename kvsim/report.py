@@ -194,6 +194,17 @@ def _offered(phase_name: str, phase: dict) -> Optional[float]:
     return rate * phase["tokens_per_request"]
 
 
+def _output_rate(phase: dict, published_total: float) -> dict:
+    """Output tokens per second, kvsim's and the published: a source that gives only the
+    total (input and output over the stage's span) gives its output share too, the stage's
+    own split of tokens, since every request has fixed lengths (``ignore_eos``)."""
+    share = phase["output_tokens_per_s"] / phase["tokens_per_s"]
+    theirs = published_total * share
+    return {"kvsim": round(phase["output_tokens_per_s"], 1), "published": round(theirs, 1),
+            "ratio": round(phase["output_tokens_per_s"] / theirs, 3),
+            "published_is": f"the published total x the stage's output share ({share:.5f})"}
+
+
 def comparison(summaries: Sequence[dict], published: Any) -> dict:
     """kvsim's figures beside a published table: per phase and tier, each metric's kvsim
     value, the published one and their ratio; and where each run collapses."""
@@ -207,7 +218,8 @@ def comparison(summaries: Sequence[dict], published: Any) -> dict:
             rows.append({"phase": name, "tier": s["tier"], "configuration": published.configurations[
                 "none" if s["tier"] == "none" else "offload"],
                 **{m: {"kvsim": round(ours[i], 3), "published": pub[i], "ratio": round(ours[i] / pub[i], 3)}
-                   for m, i in _METRICS}})
+                   for m, i in _METRICS},
+                "output tokens/s": _output_rate(ph, pub[4])})
     collapse = {}
     for s in summaries:
         offered = {n: _offered(n, ph) for n, ph in s["phases"].items()}
@@ -227,11 +239,12 @@ def _s(v: float) -> str:
 def print_published(title: str, summaries: Sequence[dict], published: Any, file: IO[str]) -> None:
     """Per stage and tier: mean and P90 TTFT and throughput, kvsim's beside the published."""
     doc = comparison(summaries, published)
-    header = ["mean TTFT kvsim / published", "P90 TTFT", "tokens/s (in + out)"]
+    header = ["mean TTFT kvsim / published", "P90 TTFT", "tokens/s (in + out)", "output tokens/s"]
     rows = []
     for r in doc["rows"]:
         cells = []
-        for m, fmt in (("mean TTFT", _s), ("P90 TTFT", _s), ("tokens/s", lambda v: f"{v / 1e3:,.0f}K")):
+        for m, fmt in (("mean TTFT", _s), ("P90 TTFT", _s), ("tokens/s", lambda v: f"{v / 1e3:,.0f}K"),
+                       ("output tokens/s", lambda v: f"{v:,.0f}")):
             c = r[m]
             cells.append(f"{fmt(c['kvsim'])} / {fmt(c['published'])}  x{c['ratio']:.2f}")
         rows.append((f"{r['phase']} {r['tier']}", cells))
@@ -239,7 +252,8 @@ def print_published(title: str, summaries: Sequence[dict], published: Any, file:
     after = [f"collapses at ({doc['collapse_rule']}): "
              + "; ".join(f"{t}: kvsim {c['kvsim'] or 'none'}, published {c['published'] or 'none'}"
                          for t, c in col.items()),
-             f"published: {doc['source']}"]
+             f"published: {doc['source']}; its output tokens/s: its total (in + out) times the stage's "
+             f"output share, every request of fixed lengths"]
     print_grid(title, header, rows, file, lines_after=after)
 
 

@@ -177,6 +177,10 @@ def test_the_llmd_scenario_orders_the_tiers_and_collapses_as_published(llmd):
         none, cpu = rows[(f"{rate} QPS", "none")], rows[(f"{rate} QPS", "cpu:200GiB")]
         assert cpu["mean TTFT"]["kvsim"] < none["mean TTFT"]["kvsim"]  # offload first at every rate, as published
         assert cpu["mean TTFT"]["published"] < none["mean TTFT"]["published"]
+        for r in (none, cpu):  # the output rate: 256 of each request's 16,512 tokens, kvsim's and the published
+            out, total = r["output tokens/s"], r["tokens/s"]
+            assert out["published"] == pytest.approx(total["published"] * 256 / 16512, rel=1e-3)
+            assert out["kvsim"] == pytest.approx(total["kvsim"] * 256 / 16512, rel=1e-3)
     # Both runs collapse at the published rates.
     assert pub["collapses_at"] == {"none": {"kvsim": "10 QPS", "published": "10 QPS"},
                                    "cpu:200GiB": {"kvsim": "25 QPS", "published": "25 QPS"}}
@@ -190,6 +194,7 @@ def test_the_table_prints_each_rate_beside_the_published_figure(capsys, monkeypa
         row = next(line for line in out.splitlines() if line.startswith(f"│ {rate} QPS cpu:200GiB "))
         assert re.search(rf"/ {offload[0]:.2f} s\s+x\d+\.\d\d", row), row
     assert "collapses at" in out and "published: llm-d/llm-d guides/tiered-prefix-cache" in out
+    assert "output tokens/s" in out and re.search(r"│ 15 QPS cpu:200GiB +│ +[\d,]+ / 3,8\d\d  x\d\.\d\d │", out)
 
 
 def test_reload_flags_are_refused_with_the_llmd_scenario(capsys):
