@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-scale", type=TIME_SCALE, help="multiply arrival times (2 = half the rate)")
     t.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
     t.add_argument("--limit", type=POS_INT, help="replay only the first N requests (after sampling)")
+    t.add_argument("--concurrency", type=POS_INT, metavar="N",
+                   help="a closed loop: N requests in flight, the next in the trace's order sent as one finishes "
+                        "(inference-perf's concurrent load); its arrival times are not used")
     r.add_argument("--seed", type=NONNEG_INT,
                    help="seed of --sample (trace) or of the reload order (scenario); default 0")
     _scenario_args(r)
@@ -287,7 +290,7 @@ def _replay(a: argparse.Namespace) -> int:
     sc = None
     if a.trace is None:
         sc = get_scenario(a.scenario or DEFAULT_SCENARIO)
-        _refuse(a, ("time_scale", "sample", "limit"), f"trace flags; without a TRACE scenario {sc.name} replays "
+        _refuse(a, ("time_scale", "sample", "limit", "concurrency"), f"trace flags; without a TRACE scenario {sc.name} replays "
                 + ("its reload workload (its rates: --fill-rate, --reload-rate)"
                    if isinstance(sc.workload, ReloadScenario) else "its own stages at the rates its source states"))
         sc, work = _scenario(a)
@@ -324,7 +327,10 @@ def _replay(a: argparse.Namespace) -> int:
         title = f"scenario {sc.name}"
         said = [f"kvsim: scenario {sc.name}: {sc.summary}"]
     else:
-        work = Workload.of(read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit))
+        if a.concurrency is not None:
+            _refuse(a, ("time_scale",), "arrival times; --concurrency sends each request as one finishes")
+        work = Workload((read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit),),
+                        concurrency=a.concurrency)
         title = a.trace
         said = [f"kvsim: trace {a.trace}"]
     said.append(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}")
@@ -337,7 +343,8 @@ def _replay(a: argparse.Namespace) -> int:
             print(said.pop(0), file=sys.stderr)
 
     where = f"{replicas} replicas of " if replicas > 1 else ""
-    title = (f"{title}: {len(work):,} request{'s' if len(work) != 1 else ''}, {model.name} on {where}"
+    loop = f" in a closed loop of {work.concurrency}" if work.concurrency else ""
+    title = (f"{title}: {len(work):,} request{'s' if len(work) != 1 else ''}{loop}, {model.name} on {where}"
              f"{hw.tp if hw.tp > 1 else 'one'} "
              f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
              f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
@@ -368,7 +375,9 @@ def _replay(a: argparse.Namespace) -> int:
             ttfts.append(t)
     published = sc.published if sc else None
     overload = None
-    if sc is None:  # a scenario's rates are its point; a trace's come from a cluster kvsim may be smaller than
+    # A scenario's rates are its point; a trace's come from a cluster kvsim may be smaller than;
+    # a closed loop sends no more than is served.
+    if sc is None and work.concurrency is None:
         from kvsim.report import overload_line, overloaded
         gpus = f"{hw.tp} {gpu.name.upper()}s" if hw.tp > 1 else f"one {gpu.name.upper()}"
         overload = overload_line(summaries, a.time_scale or 1.0, replicas,
@@ -380,7 +389,8 @@ def _replay(a: argparse.Namespace) -> int:
         resolved = dataclasses.replace(hw, gpu_kv_bytes=replica_kv)
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
                "hardware": dataclasses.asdict(resolved), "gpu": gpu.name, "replicas": replicas,
-               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload}
+               "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload,
+               "concurrency": work.concurrency}
         if replicas > 1:  # what the router was told: its scorers' weights and its prefix belief
             doc["router"] = {"weights": dict(router.weights),
                              "untiered_weights": dict(router.untiered().weights),

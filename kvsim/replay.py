@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,6 +57,10 @@ class Workload:
 
     stages: tuple[Sequence[TraceRequest], ...]
     gap_ns: int = 0
+    # A closed loop: this many requests in flight, the next sent as one finishes
+    # (inference-perf's concurrent load, vLLM's bench at --max-concurrency with no rate);
+    # the trace's arrival times are not used. None: each request at its arrival time.
+    concurrency: Optional[int] = None
 
     @classmethod
     def of(cls, requests: "Sequence[TraceRequest] | Workload") -> "Workload":
@@ -77,7 +82,7 @@ def replay(
     """Replay ``requests`` with offload tier ``spec`` (each replica its own): the summary
     (JSON-ready) and TTFTs in ms."""
     work = Workload.of(requests)
-    loop, engines = build(work.stages[0], spec, cfg, progress, work)
+    loop, engines, feed = build(work.stages[0], spec, cfg, progress, work)
     # The replay allocates millions of small objects and frees few: the cyclic
     # collector found nothing to free but cost ~10% of the time.
     enabled = gc.isenabled()
@@ -86,7 +91,7 @@ def replay(
         loop.run()
         offset = len(work.stages[0])
         for stage in work.stages[1:]:  # each once the one before has drained
-            _push(loop, stage, loop.clock.now() + work.gap_ns, offset)
+            feed.start(stage, loop.clock.now() + work.gap_ns, offset)
             offset += len(stage)
             loop.run()
     finally:
@@ -103,36 +108,80 @@ def build(
     cfg: ReplayConfig,
     progress: Optional[Progress] = None,
     work: Optional[Workload] = None,
-) -> tuple[EventLoop, list[Engine]]:
+) -> tuple[EventLoop, list[Engine], "Feed"]:
     """The loop with ``requests``' arrivals queued and the replicas' engines wired to it,
-    not yet run. ``work``: the whole workload, when ``requests`` is its first stage."""
+    not yet run, and what sends a stage's requests. ``work``: the whole workload, when
+    ``requests`` is its first stage."""
     hw, model = cfg.hw, cfg.model
-    unit_blocks, make = _tier_maker(work if work is not None else Workload.of(requests), spec, cfg)
+    work = work if work is not None else Workload.of(requests)
+    unit_blocks, make = _tier_maker(work, spec, cfg)
     loop = EventLoop()
+    feed = Feed(loop, work.concurrency)
     engines = []
     for _ in range(cfg.replicas):
-        engines.append(Engine(model, hw, make(), loop.next_arrival, cfg.load_policy, cfg.gpu))
+        engines.append(Engine(model, hw, make(), feed.next_arrival, cfg.load_policy, cfg.gpu))
     router = _router(cfg, engines, unit_blocks)
     finished = [0]
 
     def on_arrival(ev: Event) -> list[Event]:
         r: Request = ev.payload
-        return engines[router.pick(r.trace.hash_ids)].on_arrival(ev)
+        eng = engines[router.pick(r.trace.hash_ids)]
+        before = len(eng.rejected)
+        out = eng.on_arrival(ev)
+        if len(eng.rejected) != before:  # refused at once: its place in a closed loop goes to the next
+            feed.finished(len(eng.rejected) - before, ev.time_ns)
+        return out
 
     def on_step(ev: Event) -> list[Event]:
         eng: Engine = ev.target
         before = len(eng.finished)
         out = eng.on_step(ev)
-        if progress is not None and len(eng.finished) != before:
-            finished[0] += len(eng.finished) - before
-            progress(finished[0])
+        if len(eng.finished) != before:
+            feed.finished(len(eng.finished) - before, ev.time_ns)
+            if progress is not None:
+                finished[0] += len(eng.finished) - before
+                progress(finished[0])
         return out
 
     loop.on(Kind.ARRIVAL, on_arrival)
     loop.on(Kind.IO_DONE, lambda ev: ev.target.on_io_done(ev))
     loop.on(Kind.STEP, on_step)
-    _push(loop, requests, 0, 0)
-    return loop, engines
+    feed.start(requests, 0, 0)
+    return loop, engines, feed
+
+
+class Feed:
+    """Sends a stage's requests: each at its arrival time (open loop), or ``concurrency``
+    at the stage's start and then one as each finishes (closed loop)."""
+
+    def __init__(self, loop: EventLoop, concurrency: Optional[int]) -> None:
+        self.loop, self.concurrency = loop, concurrency
+        self._pending: Iterator[tuple[int, TraceRequest]] = iter(())
+
+    def start(self, stage: Sequence[TraceRequest], start_ns: int, first_id: int) -> None:
+        if self.concurrency is None:
+            _push(self.loop, stage, start_ns, first_id)
+            return
+        self._pending = enumerate(stage, first_id)
+        self.finished(self.concurrency, start_ns)
+
+    def finished(self, n: int, now_ns: int) -> None:
+        """``n`` requests finished at ``now_ns``: in a closed loop, as many more are sent."""
+        if self.concurrency is None:
+            return
+        for rid, t in itertools.islice(self._pending, n):
+            r = Request(rid, now_ns, t.input_length, max(1, t.output_length), t)
+            self.loop.push(Event(now_ns, Kind.ARRIVAL, payload=r))
+
+    def next_arrival(self) -> Optional[int]:
+        """The earliest time a request may arrive: in a closed loop, also any pending
+        event's, since another replica's step may finish a request and send the next
+        (an engine's fast-forward of decode steps stops before it)."""
+        arrival = self.loop.next_arrival()
+        if self.concurrency is None:
+            return arrival
+        other = self.loop.next_time()
+        return other if arrival is None else arrival if other is None else min(arrival, other)
 
 
 def _tier_maker(work: Workload, spec: TierSpec, cfg: ReplayConfig) -> tuple[int, Callable[[], Optional[Tier]]]:

@@ -48,7 +48,7 @@ def _disk_level(tier: object) -> Optional[OffloadTier]:
 def _run(requests: Sequence[TraceRequest], spec: TierSpec, cfg: ReplayConfig, tier: object) -> tuple[Engine, dict]:
     """Replay ``requests`` on ``tier`` (made for the whole trace, so both halves of a
     restart size their pool alike); the engine and its summary."""
-    loop, (engine,) = build(requests, spec, cfg)  # one replica: the restart is one server's
+    loop, (engine,), _ = build(requests, spec, cfg)  # one replica: the restart is one server's
     engine.tier = tier
     loop.run()
     summary = summarize([engine], spec, cfg.profile, loop.clock.now(), loop.num_events)

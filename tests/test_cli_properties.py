@@ -171,6 +171,7 @@ KVSIM = dict(
           "--max-num-batched-tokens": st.sampled_from(["2048", "8192"]), "--gpu-kv": st.sampled_from(["8GiB", "16GiB"]),
           "--host-free": st.just("64GiB"), "--time-scale": st.sampled_from(["4", "8"]),
           "--sample": st.sampled_from(["0.5", "1"]), "--limit": st.integers(1, 50).map(str),
+          "--concurrency": st.integers(1, 8).map(str),
           "--router-weights": st.sampled_from(["queue=2,gpu-prefix=3", "no-hit-lru=1.5"])},
     bad={"--tier": st.sampled_from(BAD_TIERS), "--hardware": st.sampled_from(["nope.json", "h200", "/"]),
          "--router-weights": st.sampled_from(["queue", "queue=0", "queue=nan", "gpu-prefx=1", "queue=1,queue=2", "",

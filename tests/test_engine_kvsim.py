@@ -57,7 +57,7 @@ def kvsim_split(spec: EngineSpec) -> list[list[list[int]]]:
     hw = dataclasses.replace(Hardware(), block_size=BLOCK_SIZE, gpu_kv_bytes=spec.device_blocks * BLOCK_BYTES,
                              max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
     tier = parse_tier(f"disk:{spec.disk_capacity_bytes}" + (":pagecache" if spec.extra.get("use_page_cache") else ""))
-    loop, (engine,) = build(reqs, tier, ReplayConfig(TINY, hw, "always", load_profile("h200-disk")))
+    loop, (engine,), _ = build(reqs, tier, ReplayConfig(TINY, hw, "always", load_profile("h200-disk")))
     loop.run()
     done = sorted(engine.finished, key=lambda r: r.rid)
     assert len(done) == len(reqs) and not engine.rejected

@@ -262,7 +262,7 @@ def test_memory_follows_the_trace_not_the_capacity():
     peaks = {}
     for text in ("disk:1TB", "disk:1000TB"):
         tracemalloc.start()
-        _, (engine,) = build(reqs, parse_tier(text), cfg)
+        _, (engine,), _ = build(reqs, parse_tier(text), cfg)
         peaks[text] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert engine.tier.pool.num_slots == distinct < engine.tier.capacity_units
@@ -285,7 +285,7 @@ def test_parked_requests_resume_at_the_step_that_sees_the_load():
     # Goal: a request whose prefix is in the offload tier is parked during its load,
     # resumes at a step boundary no earlier than the load, then gets its first token.
     cfg = ReplayConfig(MODEL, SMALL_GPU, load_policy="always")
-    loop, (engine,) = build(_tiny_reload(), parse_tier("cpu:64GiB"), cfg)
+    loop, (engine,), _ = build(_tiny_reload(), parse_tier("cpu:64GiB"), cfg)
     loop.run()
     loaded = [r for r in engine.finished if r.load_blocks]
     assert len(loaded) >= 10  # the reload phase comes back from the CPU tier

@@ -15,7 +15,7 @@ MODEL = get_model("llama3-8b")
 
 
 def _run_with_tier_holding(requests, tier: str, units: list[int], policy: str = "always"):
-    loop, (engine,) = build(requests, parse_tier(tier), ReplayConfig(MODEL, Hardware(), policy))
+    loop, (engine,), _ = build(requests, parse_tier(tier), ReplayConfig(MODEL, Hardware(), policy))
     granted = engine.tier.pool.prepare_store(units)
     engine.tier.pool.complete_store([h for h, _ in granted], ok=True)
     loop.run()

@@ -54,7 +54,7 @@ def _groups_trace(groups: int, per_group: int, gap_ns: int) -> list[TraceRequest
 
 def test_the_router_keeps_a_prefix_on_one_replica_and_spreads_cold_requests():
     cfg = ReplayConfig(MODEL, dataclasses.replace(Hardware(), gpu_kv_bytes=40 << 30), replicas=4)
-    loop, engines = build(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"), cfg)
+    loop, engines, _ = build(_groups_trace(4, 6, 2 * 10**9), parse_tier("none"), cfg)
     loop.run()
     # Each group's first request is cold and goes to the replica that least recently got
     # one; its later requests follow their prefix there.

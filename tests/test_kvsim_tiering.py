@@ -65,7 +65,7 @@ def _revisit(tier: str) -> tuple[dict, object]:
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=18 * UNIT_BYTES)
     # The fast-drive array: 1 GiB from disk takes less than recomputing 8K tokens.
     cfg = ReplayConfig(MODEL, hw, "always", load_profile("h200-array"))
-    loop, (engine,) = build(reqs, parse_tier(tier), cfg)
+    loop, (engine,), _ = build(reqs, parse_tier(tier), cfg)
     loop.run()
     return {r.rid: r for r in engine.finished}[2], engine.tier
 
