@@ -32,6 +32,8 @@ from kvoffload.config import MAX_SIZE, parse_size
 # Exit codes every command shares: 1 is the job's own failure (a byte that differs, a
 # fault point that broke), so a mistake in the arguments needs its own.
 EXIT_USAGE = 2
+# As a shell reports a command killed by SIGPIPE (128 + 13): its reader left before the end.
+EXIT_BROKEN_PIPE = 141
 # Threads per lane (or per tier direction) a flag may ask for: far more than any host has
 # cores, and few enough that a mistyped 1000000 is refused rather than started.
 MAX_IO_THREADS = 1024
@@ -99,6 +101,11 @@ def main(prog: str, run: Callable[[], int], errors: tuple[type[BaseException], .
     trace record)."""
     try:
         return run()
+    except BrokenPipeError:
+        # The reader of stdout left (``| head``): not an error of the command's. Python's
+        # own flush of stdout at exit would raise again, so stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (UsageError, *errors) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
