@@ -21,7 +21,7 @@ from kvoffload import budget, cli_args
 
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
-from kvsim.generate import ReloadScenario
+from kvsim.generate import ReloadScenario, SharedPrefixStages
 from kvsim.gpu import DEFAULT_GPU, GPUS, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
@@ -31,7 +31,7 @@ from kvsim.replay import ReplayConfig, Workload, check, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
 from kvsim.router import MAX_PREFIX_TOKENS, SCORERS, RouterSpec
 from kvsim.tiers import parse_tier
-from kvsim.trace import TraceError, read_trace, write_kvsim
+from kvsim.trace import TraceError, TraceRequest, read_trace, write_kvsim
 
 # A scenario names its own tiers (scenarios.py); a real trace needs more than they hold
 # (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
@@ -224,11 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of --sample (trace) or of the reload order (scenario); default 0")
     _scenario_args(r)
 
-    g = sub.add_parser("generate", help="write a built-in scenario as a kvsim trace")
-    g.add_argument("kind", choices=["reload"])
+    g = sub.add_parser("generate", help="write a built-in scenario, or shared-prefix requests, as a kvsim trace")
+    g.add_argument("kind", choices=["reload", "shared-prefix"])
     g.add_argument("-o", "--out", type=cli_args.OutputFile(), help="output file (default: stdout)")
-    g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order (0)")
+    g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order, or of the prompts' shuffle (0)")
     _scenario_args(g)
+    d = SharedPrefixStages()
+    sp = g.add_argument_group("shared-prefix (inference-perf's shared_prefix data, sent as its concurrent load: "
+                              "replay it with --concurrency N)")
+    sp.add_argument("--groups", type=POS_INT, help=f"system prompts ({d.groups})")
+    sp.add_argument("--prompts-per-group", type=POS_INT, help=f"questions behind each ({d.prompts_per_group})")
+    sp.add_argument("--system-len", type=POS_INT, help=f"tokens of a system prompt ({d.system_len})")
+    sp.add_argument("--question-len", type=POS_INT, help=f"tokens of a question ({d.question_len})")
+    sp.add_argument("--requests", type=POS_INT, help="requests, the i-th with the i-th of the shuffled prompts "
+                                                     "(default: each prompt once)")
 
     h = sub.add_parser("hitrate", help="untimed LRU token hit rate at given capacities")
     h.add_argument("trace", type=TRACE_FILE)
@@ -416,8 +425,17 @@ def _replay(a: argparse.Namespace) -> int:
     return 0
 
 
+SHARED_PREFIX_FLAGS = ("groups", "prompts_per_group", "system_len", "question_len", "requests")
+
+
 def _generate(a: argparse.Namespace) -> int:
-    requests = _scenario(a, reload_only=True)[1].all()
+    if a.kind == "reload":
+        _refuse(a, SHARED_PREFIX_FLAGS, "shared-prefix flags; they do nothing with reload")
+        requests = _scenario(a, reload_only=True)[1].all()
+    else:
+        _refuse(a, tuple(f for f in SCENARIO_FLAGS if f != "output_len"), "reload-scenario flags; they do nothing "
+                "with shared-prefix")
+        requests = _shared_prefix(a)
     if a.out:
         text = io.StringIO()
         write_kvsim(requests, text)
@@ -425,6 +443,27 @@ def _generate(a: argparse.Namespace) -> int:
     else:
         write_kvsim(requests, sys.stdout)
     return 0
+
+
+def _shared_prefix(a: argparse.Namespace) -> list[TraceRequest]:
+    """inference-perf's shared_prefix requests in order, as ``trace generate shared-prefix`` writes them."""
+    given = {k: getattr(a, k) for k in ("groups", "prompts_per_group", "system_len", "question_len", "output_len",
+                                        "seed") if getattr(a, k) is not None}
+    d = SharedPrefixStages()
+    system, question = given.get("system_len", d.system_len), given.get("question_len", d.question_len)
+    # A trace block: the largest power of two up to 512 tokens that divides both lengths,
+    # so that no unit is partial; at least vLLM's 16-token block.
+    unit = next((b for b in (512, 256, 128, 64, 32, 16) if not system % b and not question % b), None)
+    if unit is None:
+        raise ValueError(f"--system-len {system} and --question-len {question}: kvsim hashes prompts in blocks of "
+                         f"16 tokens or a power of two above; both must be multiples of 16")
+    sp = dataclasses.replace(d, block_tokens=unit, **given)
+    n = a.requests or sp.groups * sp.prompts_per_group
+    ids = n * (sp.system_len + sp.question_len) // unit
+    if ids * SCENARIO_BYTES_PER_ID > budget.mem_available():
+        raise ValueError(f"--requests {n}: {ids} hash ids need about {ids * SCENARIO_BYTES_PER_ID} bytes of memory, "
+                         f"{budget.mem_available()} available")
+    return sp.closed_loop(n)
 
 
 def _hitrate(a: argparse.Namespace) -> int:

@@ -94,8 +94,8 @@ class SharedPrefixStages:
     def phase(rate: float) -> str:
         return f"{rate:g} QPS"
 
-    def stages(self) -> list[list[TraceRequest]]:
-        """Each stage's requests, arrivals from its start."""
+    def _prompts(self, rng: random.Random) -> list[tuple[int, ...]]:
+        """Every prompt's hash ids (its group's system prompt, then its question), shuffled once."""
         b = self.block_tokens
         sys_units, q_units = self.system_len // b, self.question_len // b
         prompts = []
@@ -104,8 +104,23 @@ class SharedPrefixStages:
             for p in range(self.prompts_per_group):
                 first = self.groups * sys_units + (g * self.prompts_per_group + p) * q_units
                 prompts.append(tuple(prefix + list(range(first, first + q_units))))
-        rng = random.Random(self.seed)
         rng.shuffle(prompts)
+        return prompts
+
+    def closed_loop(self, requests: int) -> list[TraceRequest]:
+        """``requests`` requests, the i-th with prompt i (modulo their number), all at 0: what
+        inference-perf's ``concurrent`` load sends, in order, as earlier ones finish
+        (replayed with ``--concurrency``)."""
+        prompts = self._prompts(random.Random(self.seed))
+        n_in = self.system_len + self.question_len
+        return [TraceRequest(0, n_in, self.output_len, prompts[i % len(prompts)], self.block_tokens)
+                for i in range(requests)]
+
+    def stages(self) -> list[list[TraceRequest]]:
+        """Each stage's requests, arrivals from its start."""
+        b = self.block_tokens
+        rng = random.Random(self.seed)
+        prompts = self._prompts(rng)
         n_in = self.system_len + self.question_len
         out = []
         for rate in self.rates:

@@ -262,6 +262,7 @@ def summarize(engines: Sequence[Engine], spec: TierSpec, profile: IoProfile, end
     late = np.array([r.resumed_ns - r.load_eta_ns for r in loaded], dtype=np.int64)
     first = min((r.arrival_ns for r in done), default=0)
     last = max((r.arrival_ns for r in done), default=0)
+    whole = _phase(done) if done else {}  # the whole run as inference-perf counts a stage
     out = {
         "tier": spec.text,
         "replicas": len(engines),
@@ -272,6 +273,9 @@ def summarize(engines: Sequence[Engine], spec: TierSpec, profile: IoProfile, end
         "offload_hit_rate": round(sum(r.load_blocks for r in done) * bs / prompt, 4) if prompt else 0.0,
         "recomputed_tokens": sum(r.recomputed_tokens for r in done),
         "ttft_ms": {"mean": _ms(ttft.mean()) if len(ttft) else None, **_pcts(ttft)},
+        "e2e_ms": whole.get("e2e_ms"),
+        "tokens_per_s": whole.get("tokens_per_s"),
+        "output_tokens_per_s": whole.get("output_tokens_per_s"),
         "queue_ms": _pcts(queue),
         "queue_share_of_ttft": round(queue_share, 4),
         "phases": phases,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvsim.cli import main
+from kvsim.trace import read_trace
 
 MINI = str(Path(__file__).parent / "kvsim_fixtures" / "mini_mooncake.jsonl")
 REAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -240,3 +241,32 @@ def test_a_missing_command_names_the_commands(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"kvsim: error: {message}" in err and err.count("\n") == 1
+
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "kvsim", "trace", "generate", "reload"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout.read(10)
+    p.stdout.close()  # as `| head -c 10` does
+    err = p.stderr.read()
+    assert p.wait(timeout=60) in (0, 141) and err == b""
+
+
+def test_shared_prefix_requests_are_inference_perfs_in_order(tmp_path, capsys):
+    out = tmp_path / "sp.jsonl"
+    assert main(["trace", "generate", "shared-prefix", "--groups", "3", "--prompts-per-group", "2", "--system-len",
+                 "50000", "--question-len", "256", "--output-len", "9", "--requests", "8", "-o", str(out)]) == 0
+    reqs = read_trace(str(out))
+    assert len(reqs) == 8 and {r.arrival_ns for r in reqs} == {0}
+    assert {(r.input_length, r.output_length, r.block_tokens) for r in reqs} == {(50256, 9, 16)}
+    # Six prompts, each once before any repeats; a group's prompts share its 3,125 blocks of system prompt.
+    assert len({r.hash_ids for r in reqs[:6]}) == 6 and reqs[6:] == reqs[:2]
+    assert len({r.hash_ids[:3125] for r in reqs}) == 3
+    for argv, message in [(["shared-prefix", "--system-len", "50001"], "both must be multiples of 16"),
+                          (["reload", "--groups", "3"], "--groups: shared-prefix flags; they do nothing with reload"),
+                          (["shared-prefix", "--contexts", "3"], "--contexts: reload-scenario flags")]:
+        assert main(["trace", "generate", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
