@@ -197,14 +197,20 @@ class AesGcmSeal:
              ident: bytes = b"") -> Any:
         n = payload_bytes
         nonce = self.reserve_nonces(1)
-        # encrypt_into writes ciphertext || tag: the tag lands in the 16 bytes after
-        # the payload (padding, the next row, or the buffer's spare tail), which are
-        # put back once the tag is read out.
-        saved = bytes(row[n : n + TAG_BYTES])
-        self._aead.encrypt_into(_nonce(nonce), row[:n] if src is None else src, self.aad(slot, ident),
-                                row[: n + TAG_BYTES])
-        tag = bytes(row[n : n + TAG_BYTES])
-        row[n : n + TAG_BYTES] = saved
+        # encrypt_into writes ciphertext || tag, and (cryptography 51 on) never over its
+        # own input: a block sealed in place goes through this thread's scratch; one from
+        # ``src`` is written into the row, the tag landing in the 16 bytes after the
+        # payload (padding, the next row, or the buffer's spare tail), put back once read.
+        if src is None:
+            out = _scratch(n + TAG_BYTES)
+            self._aead.encrypt_into(_nonce(nonce), row[:n], self.aad(slot, ident), out)
+            _copy(row[:n], out[:n])
+            tag = bytes(out[n:])
+        else:
+            saved = bytes(row[n : n + TAG_BYTES])
+            self._aead.encrypt_into(_nonce(nonce), src, self.aad(slot, ident), row[: n + TAG_BYTES])
+            tag = bytes(row[n : n + TAG_BYTES])
+            row[n : n + TAG_BYTES] = saved
         return (nonce, tag, ident) if self.persistent else (nonce, tag)
 
     def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
@@ -215,18 +221,20 @@ class AesGcmSeal:
         nonce, tag = record[:2]
         saved = bytes(row[n : n + TAG_BYTES])
         row[n : n + TAG_BYTES] = tag
-        out = row[:n] if dst is None else dst
+        # Opened in place, the plaintext goes through this thread's scratch (decrypt_into
+        # never writes over its input) and reaches the row only once the tag is checked.
+        out = _scratch(n) if dst is None else dst
         try:
             self._aead.decrypt_into(_nonce(nonce), row[: n + TAG_BYTES], self._record_aad(slot, record), out)
-            return True
         except InvalidTag:
-            # decrypt_into has already written the unverified plaintext: wipe it where
-            # it is the caller's block (staging rows are never copied after a failure).
-            if dst is not None:
-                zero(dst)
+            # decrypt_into has already written the unverified plaintext: wipe it.
+            zero(out)
             return False
         finally:
             row[n : n + TAG_BYTES] = saved
+        if dst is None:
+            _copy(row[:n], out)
+        return True
 
     def open_block(self, slot: int, block: memoryview, record: Any) -> bool:
         from cryptography.exceptions import InvalidTag
@@ -236,33 +244,41 @@ class AesGcmSeal:
         # block are the next block's (another chunk, maybe being read): the streaming
         # decryptor takes the tag from the record instead, and checks it in finalize.
         # Same key, nonce, associated data and tag as seal: any sealed slot opens here.
+        # update_into never writes over its input (cryptography 51 on) and its output must
+        # hold len(data) + 15 bytes (AES's block less one): the plaintext goes to this
+        # thread's scratch, and into the block only once finalize has checked the tag.
         nonce, tag = record[:2]
         n = len(block)
-        # update_into's output must hold len(data) + block size - 1 bytes: len(data) + 15 for
-        # AES's 16 (50.x counts GCM's block size as 1): all but the last 16 bytes decrypt in
-        # place with the block's own last 16 as room, those 16 through `tail`.
-        body = max(0, n - TAG_BYTES)
-        tail = bytearray(2 * TAG_BYTES - 1)
+        out = _scratch(n + TAG_BYTES - 1)
         ok = False
         try:
             d = Cipher(self._aes, modes.GCM(_nonce(nonce), tag)).decryptor()
             d.authenticate_additional_data(self._record_aad(slot, record))
-            if body:
-                d.update_into(block[:body], block)
-            d.update_into(block[body:], tail)
-            block[body:] = tail[: n - body]
+            d.update_into(block, out)
             d.finalize()
+            _copy(block, out[:n])
             ok = True
         except InvalidTag:
-            pass
+            zero(out)
         finally:
-            if not ok:  # the plaintext is written before the tag is checked: never keep it
+            if not ok:  # a block that fails its check is never served: it ends zeroed
                 zero(block)
         return ok
 
-
     def _record_aad(self, slot: int, record: Any) -> bytes:
         return self.aad(slot, record[2] if len(record) > 2 else b"")
+
+
+_THREAD = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """``nbytes`` of this thread's own buffer, for a cipher's output beside its input (IO
+    threads seal and open at once; each keeps one buffer of its largest block)."""
+    buf = getattr(_THREAD, "scratch", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _THREAD.scratch = bytearray(nbytes)
+    return memoryview(buf)[:nbytes]
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
