@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time tensor parallelism's all-reduce of the hidden state across TP GPUs of this machine "
                          "(one process each) instead of layer stacks, and write the measurements: give them with "
                          "--measurements beside a run's steps to fit a profile's all-reduce")
+    gg.add_argument("--check", metavar="GPU", choices=GPUS,
+                    help=f"with --measurements: print how GPU's profile ({', '.join(GPUS)}) predicts the steps "
+                         f"measured, fitting and writing nothing (a derived profile against the GPU it stands for)")
     return top
 
 
@@ -500,7 +503,7 @@ def _emit(out: Optional[str], doc: str, table: str) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     if a.bench == "gpu":
         return _calibrate_gpu(a)
-    _refuse(a, ("models", "depth", "budget_s", "device", "measurements", "kernels", "allreduce"),
+    _refuse(a, ("models", "depth", "budget_s", "device", "measurements", "kernels", "allreduce", "check"),
             "GPU flags; they need calibrate gpu")
     if a.smoke:
         raise ValueError("--smoke: a GPU flag; it needs calibrate gpu")
@@ -523,6 +526,12 @@ def _calibrate_gpu(a: argparse.Namespace) -> int:
         if a.smoke:
             raise ValueError("--smoke: a timing flag; --measurements fits without timing")
         doc = gpucal.merge(a.measurements)
+        if a.check:
+            _refuse(a, ("out", "name"), "--check fits and writes nothing")
+            print(gpucal.check(load_gpu(a.check), doc))
+            return 0
+    elif a.check:
+        raise ValueError(f"--check {a.check}: needs --measurements FILE, the steps to hold the profile against")
     elif a.allreduce:
         return _calibrate_allreduce(a, command)
     else:

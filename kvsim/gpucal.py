@@ -538,6 +538,23 @@ def table(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) 
     return "\n".join(lines)
 
 
+def errors_line(gpu: GpuProfile, records: Sequence[dict[str, Any]], tolerance: float) -> str:
+    """How far ``gpu``'s step times are from the fitted kinds of ``records``, in one line."""
+    errors = [predicted_ms(gpu, r) / r["step_ms"] - 1 for r in fitted(records)]
+    worst = max(errors, key=abs)
+    return (f"worst error {100 * abs(worst):.1f}% ({100 * min(errors):+.1f}% to {100 * max(errors):+.1f}%), "
+            f"{sum(abs(e) > tolerance for e in errors)} of {len(errors)} steps beyond {100 * tolerance:g}%")
+
+
+def check(gpu: GpuProfile, doc: dict[str, Any], tolerance: float = 0.10) -> str:
+    """The table of ``gpu``'s step times against ``doc``'s measurements, fitting nothing:
+    how well a profile (one derived by published ratios, say) predicts another machine."""
+    mach = doc["machine"]
+    return (table(gpu, doc["measurements"], tolerance) + f"\nprofile {gpu.name} ({gpu.source}) against "
+            f"{len(fitted(doc['measurements']))} steps timed on {mach.get('gpu', mach.get('device', '?'))}: "
+            + errors_line(gpu, doc["measurements"], tolerance))
+
+
 # -- the command's two halves -----------------------------------------------------------------
 
 # Not measured here: the engine's host work per step (notes §4.4, 3-5 ms [est]).
@@ -677,11 +694,8 @@ def profile_of(doc: dict[str, Any], name: str, refit: Optional[str] = None,
     commands = list(doc["commands"]) + ([refit] if refit else [])
     prof = GpuProfile(name, f"measured on {gpu}", hbm, fit, STEP_FIXED_MS, ar_us, ar_gb_s, notes,
                       recs, commands, mach, ENGINE_KERNELS, ar)
-    errors = [abs(predicted_ms(prof, r) / r["step_ms"] - 1) for r in fitted(recs)]
-    text = table(prof, recs, tolerance) + (f"\nfit: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items())
-                                           + f"; worst error {100 * max(errors):.1f}%, "
-                                             f"{sum(e > tolerance for e in errors)} of {len(errors)} steps beyond "
-                                             f"{100 * tolerance:g}%")
+    text = (table(prof, recs, tolerance) + "\nfit: " + ", ".join(f"{k} {v:.4g}" for k, v in vars(fit).items())
+            + "; " + errors_line(prof, recs, tolerance))
     if any(r["vllm"] for r in ar):
         text += "\n" + allreduce.table(ar, ar_us, ar_gb_s)
     return prof, text

@@ -90,6 +90,22 @@ def test_the_checked_in_profile_is_what_its_command_makes(tmp_path):
     assert again["measurements"] == gpu.measurements
 
 
+def test_check_holds_a_profile_against_measurements_without_fitting(capsys):
+    # The H200's own profile meets its steps; the H100's, derived by datasheet ratios
+    # (slower HBM), is slower on the H200's memory-bound steps and says so.
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--check", "h200"]) == 0
+    own = capsys.readouterr().out.splitlines()[-1]
+    assert own.startswith("profile h200 (measured on NVIDIA H200) against 175 steps timed on NVIDIA H200: ")
+    assert own.endswith(", 0 of 175 steps beyond 10%")
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--check", "h100"]) == 0
+    out = capsys.readouterr().out
+    derived = out.splitlines()[-1]
+    assert derived.startswith("profile h100 (derived from h200") and "0 of 175" not in derived
+    decode = next(line for line in out.splitlines() if line.startswith("qwen3-32b   1 compiled decode ")
+                  and "[16, 16384]" in line)
+    assert float(next(w for w in decode.split() if w.endswith("%")).rstrip("%")) > 20  # HBM-bound: 4.8 / 3.35 = x1.43 less its fixed parts
+
+
 def test_a_measurement_marked_excluded_is_not_fitted_and_says_so(tmp_path, capsys):
     doc = json.loads(PROFILE.read_text())
     next(r for r in doc["measurements"] if r["kernels"] == "compiled")["excluded"] = "a test's reason"
@@ -247,6 +263,9 @@ def test_a_tiny_stack_times_every_path_on_the_cpu():
     (["calibrate", "gpu", "--measurements", str(PROFILE), "--kernels", "eager"],
      "--kernels: timing flags; --measurements fits without timing"),
     (["calibrate", str(PROFILE), "--kernels", "compiled"], "--kernels: GPU flags; they need calibrate gpu"),
+    (["calibrate", "gpu", "--check", "h100"], "--check h100: needs --measurements FILE"),
+    (["calibrate", "gpu", "--measurements", str(PROFILE), "--check", "h100", "-o", "x.json"],
+     "--out: --check fits and writes nothing"),
     *([] if gpucal_cuda() else [(["calibrate", "gpu"], "calibrate gpu needs a CUDA GPU")]),
 ])
 def test_calibrate_gpu_refuses_a_mistake_in_one_line(capsys, argv, message):
