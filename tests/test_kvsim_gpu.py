@@ -90,6 +90,29 @@ def test_the_checked_in_profile_is_what_its_command_makes(tmp_path):
     assert again["measurements"] == gpu.measurements
 
 
+H100_STEPS = PROFILE.parent / "gpu_h100_steps.json"
+
+
+def test_the_h100_derived_by_datasheet_ratios_predicts_steps_timed_on_an_h100():
+    # The H100 profile is the H200's fit scaled by the datasheets (HBM 3.35 / 4.8 TB/s, the
+    # same tensor rate); 105 compiled steps timed on an H100 SXM (calibrate gpu, its
+    # command in the file) hold it to 10% without fitting anything to them.
+    doc = json.loads(H100_STEPS.read_text())
+    assert doc["machine"]["gpu"] == "NVIDIA H100 80GB HBM3" and doc["machine"]["sms"] == 132
+    assert doc["commands"][0].startswith("python -m kvsim calibrate gpu --models qwen3-32b:tp2,llama3-70b:tp4")
+    recs = gpucal.fitted(doc["measurements"])
+    assert len(recs) == 105 and {(r["model"], r["tp"]) for r in recs} == {("qwen3-32b", 2), ("llama3-70b", 4),
+                                                                         ("qwen3-32b", 1)}
+    assert {r["kind"] for r in recs} == {"prefill", "decode", "mixed"}
+    h100, h200 = load_gpu("h100"), load_gpu("h200")
+    errors = {_key(r): gpucal.predicted_ms(h100, r) / r["step_ms"] - 1 for r in recs}
+    beyond = {k: e for k, e in errors.items() if abs(e) > TOLERANCE}
+    assert not beyond, beyond
+    # Not a profile that fits anything: the H200's own steps are 20-40% faster where HBM bounds them.
+    decode = [r for r in recs if r["kind"] == "decode"]
+    assert sum(gpucal.predicted_ms(h200, r) / r["step_ms"] < 0.85 for r in decode) > len(decode) // 2
+
+
 def test_check_holds_a_profile_against_measurements_without_fitting(capsys):
     # The H200's own profile meets its steps; the H100's, derived by datasheet ratios
     # (slower HBM), is slower on the H200's memory-bound steps and says so.
