@@ -8,6 +8,16 @@ prefill a chunk), then waiting requests in FIFO order while the token budget,
 continues in the offload tier is parked until its load is seen complete, unless
 recomputing would finish sooner (``load_policy="faster"``).
 Runs of decode-only steps with nothing else due are fast-forwarded as one event.
+
+With async scheduling (vLLM's default; ``Hardware.async_scheduling``) EngineCore keeps
+two batches in flight (``EngineCore.step_with_batch_queue``): when step j ends it takes
+step j's output and forms step j+2's batch while step j+1, formed a step earlier, runs.
+So a request that arrives while a step runs is admitted (its lookup, its load started) at
+that step's end but runs a step later (``LAG_ARRIVAL``), and a finished load, which the
+worker finds when it launches step j+2 (``get_finished`` right after the forward is
+queued, at step j's end), reaches the scheduler with step j+2's output and runs in step
+j+4 (``LAG_LOADED``). An engine with nothing running has no batch in flight and takes a
+request at once.
 """
 
 from __future__ import annotations
@@ -28,6 +38,9 @@ from kvsim.request import Request, prompt_units
 from kvsim.tiering import Tier
 
 LOAD_POLICIES = ("always", "faster")
+# Step boundaries between seeing a request and the first batch that may hold it, under
+# async scheduling (module docstring): one after an arrival, three after a finished load.
+LAG_ARRIVAL, LAG_LOADED = 1, 3
 
 
 @dataclass(slots=True)
@@ -65,10 +78,12 @@ class Engine:
         self.finished: list[Request] = []
         self.rejected: list[Request] = []
         self._busy = False  # a STEP event is pending
+        self._step_ns = 0  # when it is due: later than now while a batch runs
         self._last_step_ns = 0  # one step of the last batch
         self._waiting_tokens = 0  # prompt tokens of waiting requests not yet admitted
         self._seen: set[int] = set()  # units ever computed: a later miss is a recompute
         self.num_steps = 0
+        self.boundary = 0  # step boundaries so far (STEP events): what runnable_at counts
         self.busy_ns = 0  # steps' time, fast-forwarded ones included: how loaded the GPU was
 
     # -- time model (gpu.py) ----------------------------------------------------
@@ -95,6 +110,10 @@ class Engine:
         if need > self.gpu.num_blocks:
             self.rejected.append(req)  # could never fit, would block the queue forever
             return []
+        # While a batch runs, the one after it is formed already; idle (or about to form
+        # one now), the engine takes the request into its next batch.
+        running = self._busy and self._step_ns > ev.time_ns
+        req.runnable_at = self.boundary + 1 + (LAG_ARRIVAL if running and self.hw.async_scheduling else 0)
         self.waiting.append(req)
         self._waiting_tokens += req.prompt
         return self._kick(ev.time_ns)
@@ -107,6 +126,7 @@ class Engine:
         if self._busy:
             return []
         self._busy = True
+        self._step_ns = now
         return [Event(now, Kind.STEP, target=self)]
 
     def _next_event(self, now: int) -> Optional[int]:
@@ -120,6 +140,7 @@ class Engine:
 
     def on_step(self, ev: Event) -> list[Event]:
         now = ev.time_ns
+        self.boundary += 1
         out: list[Event] = []  # the tier's polling may start transfers (a second hop)
         resumed = []
         if self.tier is not None:
@@ -132,7 +153,11 @@ class Engine:
             self._finish_batch(now, ev.payload)
         for req in resumed:
             self._resume(req, now)
+            req.runnable_at = self.boundary + (LAG_LOADED if self.hw.async_scheduling else 0)
         self.waiting.extendleft(reversed(resumed))
+        if not self.running:  # no batch in flight: nothing stands between a request and the GPU
+            for r in self.waiting:
+                r.runnable_at = min(r.runnable_at, self.boundary)
         batch, dur = self._schedule(now, out)
         for e in out:  # the IO completions this step started (loads, a second hop)
             e.target = self
@@ -149,6 +174,7 @@ class Engine:
         self.num_steps += batch.steps
         self.busy_ns += dur
         self._last_step_ns = dur // batch.steps
+        self._step_ns = now + dur
         out.append(Event(now + dur, Kind.STEP, payload=batch, target=self))
         return out
 
@@ -178,20 +204,28 @@ class Engine:
                 ctx += fed
                 budget -= 1
         batch.decode_ctx = ctx
-        while self.waiting and budget and len(self.running) < hw.max_num_seqs:
-            r = self.waiting[0]
+        waiting, boundary, i, later = self.waiting, self.boundary, 0, False
+        while i < len(waiting) and budget and len(self.running) < hw.max_num_seqs:
+            r = waiting[i]
             if not r.allocated:
                 state = self._admit(now, r, out)
                 if state == "blocked":
                     break
                 if state == "parked":
-                    self.waiting.popleft()
+                    del waiting[i]
                     continue
             left = r.prompt - r.computed
             n = min(left, budget)
+            if r.runnable_at > boundary:
+                # Admitted into a later step's batch (async scheduling): it takes that
+                # batch's budget, which this one's remainder stands for.
+                later = True
+                budget -= n
+                i += 1
+                continue
             if not hw.chunked_prefill and n < left:
                 break
-            self.waiting.popleft()
+            del waiting[i]
             self.running.append(r)
             batch.prefills.append((r, n))
             self._take(r, r.computed + n)
@@ -202,6 +236,8 @@ class Engine:
         # A load started in this step has its completion in ``out``, not yet in the
         # loop's queue: a fast-forward must stop for it too.
         due = [e.time_ns for e in out]
+        if later or any(r.runnable_at > boundary for r in waiting):
+            due.append(now)  # one step at a time until they may run: no fast-forward
         queued = self._next_event(now)
         if queued is not None:
             due.append(queued)
@@ -300,7 +336,9 @@ class Engine:
             # Each hop is seen at the step boundary after it; the next hop starts there.
             eta = sum(self._resume_after_ns(t) for t in tier.load_eta_ns(now, plan))
             n_load = u.blocks(g + m) - hit
-            if self.load_policy == "faster" and eta > self.recompute_eta_ns(n_load * bs, hit * bs):
+            # A load seen complete still waits LAG_LOADED steps for its batch (async scheduling).
+            lag = LAG_LOADED * self._last_step_ns if self.hw.async_scheduling else 0
+            if self.load_policy == "faster" and eta + lag > self.recompute_eta_ns(n_load * bs, hit * bs):
                 tier.cancel_load(plan)  # unpin: recompute instead
                 m = 0
             else:

@@ -32,6 +32,10 @@ class Hardware:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     chunked_prefill: bool = True
+    # vLLM's async scheduling (on by default from v0.14 with the multiproc executor):
+    # EngineCore keeps two batches in flight, so a step's batch is formed one step ahead
+    # and what changes during a step reaches a batch two steps on (engine.py, LAG_*).
+    async_scheduling: bool = True
     # Host: free memory is the page cache's capacity [est: a quarter of a 1 TiB
     # host]; dirty pages throttle writers above the kernel's dirty limit [est: 20%
     # of it, vm.dirty_ratio].

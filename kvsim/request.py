@@ -77,5 +77,6 @@ class Request:
     recomputed_tokens: int = 0
     load_eta_ns: Optional[int] = None  # when the engine expected to see the load complete
     resumed_ns: Optional[int] = None  # the step boundary that saw its load complete
+    runnable_at: int = 0  # the engine's first step boundary whose batch may hold it (async scheduling)
     first_token_ns: Optional[int] = None
     finish_ns: Optional[int] = None

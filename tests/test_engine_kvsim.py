@@ -54,8 +54,10 @@ def kvsim_split(spec: EngineSpec) -> list[list[list[int]]]:
     """kvsim's ``[device hit, disk hit, computed]`` prompt tokens per request of ``spec``."""
     reqs = [TraceRequest(r * ROUND_GAP_NS, len(p), spec.max_tokens, _block_hashes(p), BLOCK_SIZE)
             for r, prompts in enumerate(spec.rounds) for p in prompts]
+    # vLLM's CPU platform turns async scheduling off (platforms/cpu.py): one batch in flight.
     hw = dataclasses.replace(Hardware(), block_size=BLOCK_SIZE, gpu_kv_bytes=spec.device_blocks * BLOCK_BYTES,
-                             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
+                             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                             async_scheduling=False)
     tier = parse_tier(f"disk:{spec.disk_capacity_bytes}" + (":pagecache" if spec.extra.get("use_page_cache") else ""))
     loop, (engine,), _ = build(reqs, tier, ReplayConfig(TINY, hw, "always", load_profile("h200-disk")))
     loop.run()

@@ -337,10 +337,10 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     # context leaves almost none.
     assert s["disk:200GB"]["queue_share_of_ttft"] < 0.05 < 0.25 < s["none"]["queue_share_of_ttft"]
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
-    assert 2 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
-    # The README's ratios: disk:100GB's reload P50 and P90 each about twice the 200 GB tier's
-    # (2.1x, 2.2x at commit 6877863), its P90 4.3x below none's.
-    assert 2 * p90["disk:200GB"] < p90["disk:100GB"] and 4 * p90["disk:100GB"] < p90["none"]
+    # The README's ratios: disk:100GB's reload P50 about twice the 200 GB tier's (1.95x), its
+    # P90 3.6x the 200 GB tier's and 2.2x below none's (commit COMMIT_ASYNC: async scheduling).
+    assert 1.9 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
+    assert 3 * p90["disk:200GB"] < p90["disk:100GB"] and 2 * p90["disk:100GB"] < p90["none"]
     assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"] < s["none"]["recomputed_tokens"]
 
 
@@ -393,12 +393,13 @@ def test_the_reload_workload_on_the_vm_disk_recomputes_what_loads_slower():
     # kvoffload's pipeline recomputes less, so its reloads are faster on average and in their
     # P99. With 48 reloads the P90 is the fifth slowest, the recomputes' queue: at this seed
     # (the GPU profile of commit 6877863) kvoffload's is 2.5% above vLLM's (3.64 against
-    # 3.55 s), at seeds 1-5 below; both far below none's.
+    # 3.55 s), at seeds 1-5 below; both well below none's (7.17 s against 11.05 s with
+    # async scheduling's step between a request and its batch).
     mean = {t: v["phases"]["reload"]["ttft_ms"]["mean"] for t, v in s.items()}
     p99 = {t: v["phases"]["reload"]["ttft_ms"]["p99"] for t, v in s.items()}
     assert mean["disk:100GB"] < mean["vllm-disk:100GB"] < mean["none"]
     assert p99["disk:100GB"] < p99["vllm-disk:100GB"] < p99["none"]
-    assert 2 * max(p90["disk:100GB"], p90["vllm-disk:100GB"]) < p90["none"]
+    assert 1.5 * max(p90["disk:100GB"], p90["vllm-disk:100GB"]) < p90["none"]
 
 
 def test_requests_that_can_never_fit_are_rejected_not_stuck():

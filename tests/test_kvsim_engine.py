@@ -77,3 +77,50 @@ def test_thread_utilisation_and_the_stores_still_queued_at_the_end():
     assert pending["jobs"] > 0 and pending["bytes"] > 0 and pending["drain_s"] > 1
     assert kvo["stores_pending_at_end"]["drain_s"] < pending["drain_s"]
     assert kvo["io_threads_busy"]["store"]["mean"] < vllm["io_threads_busy"]["store"]["mean"]
+
+
+def _finished(requests, hw: Hardware, tier: str = "none", held: tuple = ()) -> dict:
+    loop, (engine,), _ = build(requests, parse_tier(tier), ReplayConfig(MODEL, hw))
+    if held:
+        granted = engine.tier.pool.prepare_store(list(held))
+        engine.tier.pool.complete_store([h for h, _ in granted], ok=True)
+    loop.run()
+    return {r.rid: r for r in engine.finished}
+
+
+SYNC = dataclasses.replace(Hardware(), async_scheduling=False)
+
+
+def test_async_scheduling_puts_the_batch_already_formed_before_an_arrival():
+    # Goal: vLLM's async scheduling as EngineCore runs it (two batches in flight). Request
+    # 0 prefills 8,000 tokens in one long step; request 1 arrives during it. Synchronous,
+    # 1 joins the batch right after that step, beside 0's first decode. Async, that batch
+    # was formed before 1 arrived (0's decode alone), so 1 runs one short step later. Both
+    # admit it at the same boundary, and an idle engine takes a request at once.
+    long = TraceRequest(0, 8000, 64, tuple(range(16)), 512)
+    late = TraceRequest(20_000_000, 512, 4, (100,), 512)
+    sync, asyn = _finished([long, late], SYNC), _finished([long, late], Hardware())
+    assert sync[0].first_token_ns == asyn[0].first_token_ns > 100_000_000
+    assert sync[1].admitted_ns == asyn[1].admitted_ns == asyn[0].first_token_ns
+    decode_step = (sync[0].finish_ns - sync[0].first_token_ns) / 63
+    gap = asyn[1].first_token_ns - sync[1].first_token_ns
+    assert 0.5 * decode_step < gap < 2 * decode_step
+
+
+def test_async_scheduling_runs_a_finished_load_three_steps_after_the_worker_sees_it():
+    # Goal: a load is seen when the worker launches a step (at the previous one's end); it
+    # reaches the scheduler with that step's output and its request runs two steps later:
+    # three decode steps of request 0 between the boundary that saw the load and the
+    # loader's batch, where a synchronous engine runs it in the next. Alone on the engine
+    # (no batch in flight) a loaded request runs at once either way.
+    long_decode = TraceRequest(0, 600, 2000, (1000, 1001), 512)
+    loader = TraceRequest(100_000_000, 1100, 4, (1, 2, 3), 512)
+    runs = {name: _finished([long_decode, loader], hw, "cpu:8GiB", (1, 2)) for name, hw in
+            (("sync", SYNC), ("async", Hardware()))}
+    waits = {name: r[1].first_token_ns - r[1].resumed_ns for name, r in runs.items()}
+    assert all(r[1].load_blocks == 64 for r in runs.values())
+    decode_step = (runs["sync"][0].finish_ns - runs["sync"][0].first_token_ns) / 1999
+    assert 2.5 * decode_step < waits["async"] - waits["sync"] < 3.5 * decode_step
+    alone = {name: _finished([dataclasses.replace(loader, arrival_ns=0)], hw, "cpu:8GiB", (1, 2))[0]
+             for name, hw in (("sync", SYNC), ("async", Hardware()))}
+    assert alone["sync"].first_token_ns == alone["async"].first_token_ns
