@@ -207,7 +207,8 @@ class Engine:
         waiting, boundary, i, later = self.waiting, self.boundary, 0, False
         while i < len(waiting) and budget and len(self.running) < hw.max_num_seqs:
             r = waiting[i]
-            if not r.allocated:
+            fresh = not r.allocated
+            if fresh:
                 state = self._admit(now, r, out)
                 if state == "blocked":
                     break
@@ -217,10 +218,12 @@ class Engine:
             left = r.prompt - r.computed
             n = min(left, budget)
             if r.runnable_at > boundary:
-                # Admitted into a later step's batch (async scheduling): it takes that
-                # batch's budget, which this one's remainder stands for.
+                # Not in this step's batch (async scheduling). One admitted just now goes
+                # into the batch after: that batch's budget, which this one's remainder
+                # stands for, bounds how many are admitted; a loaded one takes none until it runs.
                 later = True
-                budget -= n
+                if fresh:
+                    budget -= n
                 i += 1
                 continue
             if not hw.chunked_prefill and n < left:
