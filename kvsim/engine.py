@@ -76,6 +76,7 @@ class Engine:
         self.running: list[Request] = []
         self.num_parked = 0
         self.finished: list[Request] = []
+        self._freed_next: list[Request] = []  # finished, blocks freed at the next boundary
         self.rejected: list[Request] = []
         self._busy = False  # a STEP event is pending
         self._step_ns = 0  # when it is due: later than now while a batch runs
@@ -149,6 +150,9 @@ class Engine:
             released: list = []
             resumed = self.tier.poll(now, out, released)
             self.gpu.unpin(released)
+        for r in self._freed_next:  # their output reached the scheduler a step ago
+            self._free(r)
+        self._freed_next = []
         if ev.payload is not None:
             self._finish_batch(now, ev.payload)
         for req in resumed:
@@ -239,8 +243,8 @@ class Engine:
         # A load started in this step has its completion in ``out``, not yet in the
         # loop's queue: a fast-forward must stop for it too.
         due = [e.time_ns for e in out]
-        if later or any(r.runnable_at > boundary for r in waiting):
-            due.append(now)  # one step at a time until they may run: no fast-forward
+        if later or self._freed_next or any(r.runnable_at > boundary for r in waiting):
+            due.append(now)  # one step at a time until they may run (or blocks free): no fast-forward
         queued = self._next_event(now)
         if queued is not None:
             due.append(queued)
@@ -384,6 +388,11 @@ class Engine:
             r.num_anon -= w
         r.published = upto
 
+    def _free(self, r: Request) -> None:
+        self.gpu.free(r.owned, r.num_anon, r.num_reserved)
+        r.units = None
+        r.owned = []
+
     def _finish_batch(self, now: int, batch: Batch) -> None:
         bs, tier = self.bs, self.tier
         for r, n in batch.prefills:
@@ -407,8 +416,11 @@ class Engine:
             return
         for r in done:
             r.finish_ns = now
-            self.gpu.free(r.owned, r.num_anon, r.num_reserved)
-            r.units = None
-            r.owned = []
             self.finished.append(r)
+            if self.hw.async_scheduling and len(self.running) > len(done):
+                # The batch after this one was formed before this output: the blocks serve
+                # the one after it (an engine with nothing left running frees them now).
+                self._freed_next.append(r)
+            else:
+                self._free(r)
         self.running = [r for r in self.running if r.finish_ns is None]

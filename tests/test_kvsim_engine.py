@@ -124,3 +124,20 @@ def test_async_scheduling_runs_a_finished_load_three_steps_after_the_worker_sees
     alone = {name: _finished([dataclasses.replace(loader, arrival_ns=0)], hw, "cpu:8GiB", (1, 2))[0]
              for name, hw in (("sync", SYNC), ("async", Hardware()))}
     assert alone["sync"].first_token_ns == alone["async"].first_token_ns
+
+
+def test_async_scheduling_frees_a_finished_requests_blocks_for_the_batch_after_next():
+    # Goal: a request's blocks return when the scheduler takes its last output, after the
+    # next batch was formed. The GPU holds 110 blocks: requests 0 (38 blocks, 8 tokens
+    # out) and 2 (63 blocks, decoding long) run; request 1 (38 blocks) waits for 0's.
+    # Synchronous, 1 is admitted at the boundary where 0 finishes; async, one decode step
+    # of request 2 later. Request 2 keeps the engine busy (an idle one frees at once).
+    block = 16 * MODEL.kv_bytes_per_token
+    hw = dataclasses.replace(Hardware(), gpu_kv_bytes=111 * block)
+    reqs = [TraceRequest(0, 600, 8, (1, 2), 512), TraceRequest(0, 600, 400, (3, 4), 512),
+            TraceRequest(0, 600, 4, (5, 6), 512)]
+    sync = _finished(reqs, dataclasses.replace(hw, async_scheduling=False))
+    asyn = _finished(reqs, hw)
+    assert sync[2].admitted_ns == sync[0].finish_ns > 0
+    decode_step = (sync[1].finish_ns - sync[1].first_token_ns) / 399
+    assert 0.5 * decode_step < asyn[2].admitted_ns - asyn[0].finish_ns < 2 * decode_step
