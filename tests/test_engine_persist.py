@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -107,8 +108,12 @@ def test_changed_bytes_swapped_slots_wrong_key_and_another_model(model, baseline
                       (spec(str(other_model), d, key), "holds KV of another model or layout: model ")):
         with pytest.raises(AssertionError, match="engine run failed") as e:
             run_engine(bad)
-        (refusal,) = {ln[ln.index("kvoffload.persist.PersistError"):] for ln in str(e.value).splitlines()
-                      if "kvoffload.persist.PersistError" in ln}
+        # The whole log, not the message's tail: shutdown noise may follow the refusal.
+        log = Path(str(e.value).split("log: ", 1)[1].splitlines()[0]).read_text(errors="replace")
+        refusals = {ln[ln.index("kvoffload.persist.PersistError"):] for ln in log.splitlines()
+                    if "kvoffload.persist.PersistError" in ln}
+        assert len(refusals) == 1, f"the run failed, but not with one PersistError:\n{e.value}"
+        (refusal,) = refusals
         assert line in refusal and "left untouched" in refusal, refusal
         assert digests(d) == before
     two = run_engine(spec(model, d, key))
