@@ -338,7 +338,7 @@ def test_the_default_scenario_shows_when_the_disk_tier_pays_off():
     assert s["disk:200GB"]["queue_share_of_ttft"] < 0.05 < 0.25 < s["none"]["queue_share_of_ttft"]
     assert s["cpu:8GiB"]["offload_hit_rate"] < 0.01 and p50["cpu:8GiB"] == p50["none"]
     # The README's ratios: disk:100GB's reload P50 about twice the 200 GB tier's (1.95x), its
-    # P90 3.6x the 200 GB tier's and 2.2x below none's (commit 5be8e08: async scheduling).
+    # P90 3.6x the 200 GB tier's and 2.3x below none's (commits 5be8e08, db1d4d9: async scheduling).
     assert 1.9 * p50["disk:200GB"]["reload"] < p50["disk:100GB"]["reload"] < p50["none"]["reload"]
     assert 3 * p90["disk:200GB"] < p90["disk:100GB"] and 2 * p90["disk:100GB"] < p90["none"]
     assert s["disk:200GB"]["recomputed_tokens"] == 0 < s["disk:100GB"]["recomputed_tokens"] < s["none"]["recomputed_tokens"]
