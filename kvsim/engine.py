@@ -16,8 +16,8 @@ So a request that arrives while a step runs is admitted (its lookup, its load st
 that step's end but runs a step later (``LAG_ARRIVAL``), and a finished load, which the
 worker finds when it launches step j+2 (``get_finished`` right after the forward is
 queued, at step j's end), reaches the scheduler with step j+2's output and runs in step
-j+4 (``LAG_LOADED``). An engine with nothing running has no batch in flight and takes a
-request at once.
+j+4 (``LAG_LOADED``); a request finished in step j frees its blocks for step j+2's batch.
+An engine with nothing running has no batch in flight and takes a request at once.
 """
 
 from __future__ import annotations
