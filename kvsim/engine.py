@@ -77,6 +77,9 @@ class Engine:
         self.num_parked = 0
         self.finished: list[Request] = []
         self._freed_next: list[Request] = []  # finished, blocks freed at the next boundary
+        # Waiting requests that may not run yet (runnable_at past the boundary), and some that
+        # may by now: the few that entered waiting lately, so that no step scans the queue.
+        self._not_yet: list[Request] = []
         self.rejected: list[Request] = []
         self._busy = False  # a STEP event is pending
         self._step_ns = 0  # when it is due: later than now while a batch runs
@@ -115,6 +118,7 @@ class Engine:
         # one now), the engine takes the request into its next batch.
         running = self._busy and self._step_ns > ev.time_ns
         req.runnable_at = self.boundary + 1 + (LAG_ARRIVAL if running and self.hw.async_scheduling else 0)
+        self._not_yet.append(req)
         self.waiting.append(req)
         self._waiting_tokens += req.prompt
         return self._kick(ev.time_ns)
@@ -158,6 +162,7 @@ class Engine:
         for req in resumed:
             self._resume(req, now)
             req.runnable_at = self.boundary + (LAG_LOADED if self.hw.async_scheduling else 0)
+        self._not_yet += resumed
         self.waiting.extendleft(reversed(resumed))
         if not self.running:  # no batch in flight: nothing stands between a request and the GPU
             for r in self.waiting:
@@ -208,7 +213,7 @@ class Engine:
                 ctx += fed
                 budget -= 1
         batch.decode_ctx = ctx
-        waiting, boundary, i, later = self.waiting, self.boundary, 0, False
+        waiting, boundary, i = self.waiting, self.boundary, 0
         while i < len(waiting) and budget and len(self.running) < hw.max_num_seqs:
             r = waiting[i]
             fresh = not r.allocated
@@ -217,6 +222,7 @@ class Engine:
                 if state == "blocked":
                     break
                 if state == "parked":
+                    r.runnable_at = 0  # out of waiting until its load is seen (which sets it anew)
                     del waiting[i]
                     continue
             left = r.prompt - r.computed
@@ -225,7 +231,6 @@ class Engine:
                 # Not in this step's batch (async scheduling). One admitted just now goes
                 # into the batch after: that batch's budget, which this one's remainder
                 # stands for, bounds how many are admitted; a loaded one takes none until it runs.
-                later = True
                 if fresh:
                     budget -= n
                 i += 1
@@ -243,7 +248,8 @@ class Engine:
         # A load started in this step has its completion in ``out``, not yet in the
         # loop's queue: a fast-forward must stop for it too.
         due = [e.time_ns for e in out]
-        if later or self._freed_next or any(r.runnable_at > boundary for r in waiting):
+        self._not_yet = [r for r in self._not_yet if r.runnable_at > boundary]  # runnable_at never grows in waiting
+        if self._not_yet or self._freed_next:
             due.append(now)  # one step at a time until they may run (or blocks free): no fast-forward
         queued = self._next_event(now)
         if queued is not None:
