@@ -1,14 +1,19 @@
-"""The exhaustive single-fault sweep over a persistent pool's store-then-restart cycle.
+"""The exhaustive single-fault sweeps over a persistent pool: its store-then-restart cycle,
+and its start-up alone.
 
 One workload (``restart_workload``): a persistent backend is created, stores, overwrites
 and loads, and shuts down; a second one starts on the same files (the fault schedule
-still counting, so a fault can hit its header read, its epoch write or its index reads),
+still counting, so a fault can hit its header or index reads),
 loads what it restored and stores once more; a third, fault-free start then checks the
 files. Every call site of ``RESTART_SITES`` fails at N = 1, 2, ... (``sweep_restart``),
 transient and persistent, with the standard sweep's invariants (no hang, no lost
 completion, no leaked fd, one clear injected-caused error where a start-up fails) and
 the restart's own: every block served, in any of the three runs, is the one stored under
 the key its slot claims, and with no fault fired everything stored comes back.
+
+The start-up sweep (``sweep_startup``) fails only the calls of a start on a healthy pool:
+the start serves the pool as it was, or refuses in one line with every file byte for
+byte as it was; either way the next, fault-free start serves every block (0 pools lost).
 """
 
 from __future__ import annotations
@@ -123,8 +128,9 @@ def _check_refusal(e: BaseException, directory: Path, run: str, osc: FaultyOsCal
     from kvoffload.persist import PersistError
     from kvoffload.slot_file import SlotFileError
 
-    # A short or lying write raises nothing itself: what it left is what start-up refuses.
-    quiet = any(f.fault.kind in ("short", "lie") for f in osc.log)
+    # A short, lying or flipped transfer raises nothing itself: what it left (or read) is
+    # what start-up refuses.
+    quiet = any(f.fault.kind in ("short", "lie", "bitflip") for f in osc.log)
     expect(is_injected(e, chain=True) or quiet, "wrong_data", f"{run}: start-up failed without an injected cause: "
                                                               f"{e!r}")
     expect(isinstance(e, (PersistError, SlotFileError)), "wrong_data",
@@ -191,6 +197,58 @@ def restart_workload(directory: Path, osc: FaultyOsCalls, use_page_cache: bool =
     return {"restored": len(found), "served": sum(served.values())}
 
 
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+# What the pool holds once STORES_A ran: the start-up sweep's healthy pool.
+HEALTHY = {3: b"c", 5: b"d", 2: b"e", 1: b"f"}
+
+
+def startup_workload(directory: Path, osc: FaultyOsCalls, use_page_cache: bool = False) -> str:
+    """A healthy pool made fault-free, then one start under ``osc`` (its schedule on for the
+    start only), then a fault-free start; raises ``Violation``. Returns how the faulty
+    start ended: ``served`` (every block, as before) or ``refused`` (files unchanged)."""
+    fds = FdWatch()
+    cy = _Cycle(directory, use_page_cache)
+    b, caches = cy.start(FaultyOsCalls())
+    try:
+        for slots, keys in STORES_A:
+            cy.store(b, caches, slots, keys)
+    finally:
+        b.shutdown()
+    expect(cy.latest == {s: k for s, k in cy.latest.items() if k is not None}, "wrong_data", "a fault-free store failed")
+    before = _digests(directory)
+    try:
+        b, caches = cy.start(osc)
+    except (OSError, ValueError) as e:  # PersistError is a ValueError
+        _check_refusal(e, directory, "start-up", osc)
+        expect(_digests(directory) == before, "files_changed", f"a refused start-up changed the files: {e}")
+        outcome = "refused"
+    else:
+        osc.enabled = False  # the start-up's calls only
+        try:
+            found = cy.restored(b, "start-up")
+            expect(found == HEALTHY, "lost_blocks", f"started under a fault, it restored {found}, not {HEALTHY}")
+            served = cy.load(b, caches, sorted(found), found, "start-up")
+            expect(all(served.values()), "lost_blocks", f"started under a fault, it served {served}")
+        finally:
+            b.shutdown()
+        outcome = "served"
+    wait_threads_gone()
+    b, caches = cy.start(FaultyOsCalls())
+    try:
+        found = cy.restored(b, "check")
+        expect(found == HEALTHY, "lost_blocks", f"after the start-up fault the pool restored {found}, not {HEALTHY}")
+        expect(all(cy.load(b, caches, sorted(found), found, "check").values()), "lost_blocks",
+               "after the start-up fault a restored block failed to load")
+    finally:
+        b.shutdown()
+    wait_threads_gone()
+    fds.check(near=directory)
+    return outcome
+
+
 _POINT = itertools.count()
 
 
@@ -209,6 +267,34 @@ def restart_point(directory: Path, call: str, n: int, fault: Fault, persistent: 
     except Exception as e:  # noqa: BLE001 - any other exception is a wrong outcome
         raise Violation("wrong_data", f"{call} #{n} {fault!r}: {type(e).__name__}: {e}") from e
     return osc.calls[call] >= n, sum(osc.fired.values())
+
+
+def startup_point(directory: Path, call: str, n: int, fault: Fault, persistent: bool,
+                  use_page_cache: bool = False) -> tuple[bool, str]:
+    """One start-up point in a fresh directory: (whether call #n was reached, outcome)."""
+    d = directory / f"start-{call}-{n}-{next(_POINT)}"
+    d.mkdir(mode=0o700)
+    osc = FaultyOsCalls()
+    (osc.fail_from if persistent else osc.fail_nth)(call, n, fault)
+    try:
+        outcome = startup_workload(d, osc, use_page_cache)
+    except Violation:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other exception is a wrong outcome
+        raise Violation("wrong_data", f"start-up {call} #{n} {fault!r}: {type(e).__name__}: {e}") from e
+    return osc.calls[call] >= n, outcome
+
+
+def sweep_startup(directory: Path, call: str, fault: Fault, persistent: bool, use_page_cache: bool = False,
+                  limit: int = 100) -> dict[str, int]:
+    """``startup_point`` at N = 1, 2, ... until the start no longer reaches N: the outcomes counted."""
+    out = {"served": 0, "refused": 0}
+    for n in range(1, limit + 1):
+        reached, outcome = startup_point(directory, call, n, fault, persistent, use_page_cache)
+        if not reached:
+            return out
+        out[outcome] += 1
+    raise AssertionError(f"the start-up still reached {call} #{limit}")
 
 
 def sweep_restart(directory: Path, call: str, fault: Fault, persistent: bool, use_page_cache: bool = False,

@@ -64,22 +64,40 @@ def main(argv: list[str] | None = None) -> int:
 
 def _forget(argv: list[str]) -> int:
     p = cli_args.Parser(prog=f"{PROG} forget",
-                        description="Wipe persistent kvoffload pools so nothing in them is readable, and remove them.")
+                        description="Wipe persistent kvoffload pools so nothing in them is readable, and remove them. "
+                                    "Only a file set proved kvoffload's is touched; a refusal changes nothing.")
     p.add_argument("disk_paths", nargs="+", metavar="DISK_PATH", help="a disk_path as configured")
     p.add_argument("--without-index", action="store_true",
                    help="also wipe a data file that has no kvoffload index (nothing shows it is kvoffload's)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--key-file", metavar="PATH", help="the pool's key file: its index must verify under it")
+    key.add_argument("--key-env", metavar="NAME", help="an environment variable holding the pool's key (hex)")
     a = p.parse_args(argv)
+    operator_key = None
+    if a.key_file is not None or a.key_env is not None:
+        with cli_args.usage_errors(ValueError):
+            operator_key = persist.read_operator_key(a.key_file, a.key_env)
     targets = []
     for path in a.disk_paths:
         found = persist.forget_targets(os.path.abspath(path))
         if not found:
             raise UsageError(f"{path}: no kvoffload pool file or index there")
         targets += found
+    # Every target proved kvoffload's before any is wiped: a refusal leaves them all as they were.
+    refusals = []
+    for target in targets:
+        try:
+            persist.check_forget(target, a.without_index, operator_key)
+        except ValueError as e:  # a PersistError
+            refusals.append(cli_args.one_line(e))
+    if refusals:
+        more = f" (and {len(refusals) - 1} more refused; nothing was wiped)" if len(refusals) > 1 else ""
+        raise UsageError(refusals[0] + more)
     failed = 0
     for target in targets:
         try:
-            print(persist.forget(target, a.without_index))
-        except ValueError as e:  # a PersistError, or a path that names a directory
+            print(persist.forget(target, a.without_index, operator_key=operator_key))
+        except ValueError as e:  # the wipe itself failed (an IO error): the job's failure, exit 1
             print(f"{PROG} forget: {cli_args.one_line(e)}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0

@@ -218,7 +218,7 @@ class DiskBackend:
             if persist is not None:
                 run.pool = Pool(osc, persist, paths, num_disk_slots, total_block_bytes, use_page_cache,
                                 _layout_fingerprint(layout))
-                run.pool.open(run.files, max_slot_bytes=budget // num_disk_slots)
+                run.pool.open(run.files, max_slot_bytes=budget // num_disk_slots, prefill=prefill)
                 self._restore(run)
             for i, p in enumerate(paths[len(run.files):], start=len(run.files)):
                 # Slot s of the whole pool lives in file s % n at index s // n.
@@ -246,7 +246,7 @@ class DiskBackend:
                 "page cache" if use_page_cache else "O_DIRECT",
                 f"IO path {io_path}",
                 "" if run.pool is None else
-                f", persistent (epoch {run.pool.epoch}, {len(run.restored.slots)} blocks found, "
+                f", persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
                 f"{sum(run.restored.refused.values())} refused)",
             )
         except BaseException:
@@ -294,9 +294,9 @@ class DiskBackend:
     @staticmethod
     def _restore(run: Run) -> None:
         """A persistent pool's records, as init found them, become the run's: the seal takes
-        the pool's key and epoch, each valid record its slot's (nonce, tag, identity)."""
+        the pool's key, each valid record its slot's (nonce, tag, identity)."""
         pool = run.pool
-        run.seal.persist(pool.keys.slot, pool.epoch, pool.fingerprint, IDENT_BYTES)
+        run.seal.persist(pool.keys.slot, pool.fingerprint, IDENT_BYTES)
         if run.native is not None and run.gcm_key:  # the core's expanded key: the pool's now
             old, run.gcm_key = run.gcm_key, native_gcm_key(run.native, run.seal.key)
             wipe_native(run.native, old)

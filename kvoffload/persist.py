@@ -24,10 +24,12 @@ another model or rank, or torn by a crash fails its tag: a load error, recompute
 never served. The index only says where to look: correctness never rests on it, nor on
 the order in which writes reach the disk.
 
-Nonces: a 64-bit counter (restarting at 1) under a 32-bit epoch in the nonce's top
-bytes. Each start-up takes an exclusive ``flock`` on every index, raises the epoch past
-every epoch its header and records show, and writes and fdatasyncs it before the first
-store: no (key, nonce) pair is ever used twice.
+Nonces: each start draws a fresh random 96-bit start from the operating system's
+CSPRNG and counts up from it, never from anything the files hold: a pool restored from
+a backup or snapshot, copied to another host or started many times never repeats a
+(key, nonce) pair except with the probability docs/design.md bounds (N starts sealing
+Q blocks in all: at most N * Q / 2**95). Start-up writes nothing to an existing pool,
+and refuses, in one line and with every file as it was, whatever it could not read.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import stat
 import zlib
 from collections import Counter
@@ -69,9 +72,8 @@ _SUMMARY_OFFSET = 114
 _CRC_OFFSET = 2012
 _MAC_OFFSET = 2016
 MAX_SUMMARY_BYTES = _CRC_OFFSET - _SUMMARY_OFFSET
-MAX_EPOCH = 2**32 - 1
-# One read of the index at start-up: large enough for the disk's rate, small enough
-# that a failed read costs only these records (they count as empty).
+# One read of the index at start-up: large enough for the disk's rate, small enough to
+# read again at once where a record does not check (a flipped bit in flight, or torn).
 _READ_CHUNK = 16 << 20
 
 RECORD_DTYPE = np.dtype([
@@ -134,8 +136,9 @@ def read_operator_key(key_file: Optional[str] = None, key_env: Optional[str] = N
             raise PersistError(f"persist_key_env: environment variable {key_env} is not set")
         key = _parse_key(env[key_env].encode(errors="replace"), hex_only=True)
         if key is None:
-            raise PersistError(f"persist_key_env: {key_env} must hold {2 * OPERATOR_KEY_BYTES} hex digits "
-                               f"(a {OPERATOR_KEY_BYTES}-byte key, e.g. from `openssl rand -hex 32`)")
+            raise PersistError(f"persist_key_env: {key_env} must hold exactly {2 * OPERATOR_KEY_BYTES} hex digits, "
+                               f"nothing else but one trailing newline (a {OPERATOR_KEY_BYTES}-byte key, e.g. from "
+                               f"`openssl rand -hex 32`)")
         return key
     return _read_key_file(key_file)
 
@@ -164,21 +167,24 @@ def _read_key_file(path: str) -> bytes:
         os.close(fd)
     key = _parse_key(data, hex_only=False)
     if key is None:
-        raise PersistError(f"{where} must hold exactly {OPERATOR_KEY_BYTES} bytes or {2 * OPERATOR_KEY_BYTES} hex "
-                           f"digits (got {len(data)}{'+' if len(data) == 4 * OPERATOR_KEY_BYTES else ''} bytes); "
+        raise PersistError(f"{where} must hold exactly {OPERATOR_KEY_BYTES} bytes, or exactly "
+                           f"{2 * OPERATOR_KEY_BYTES} hex digits and at most one trailing newline "
+                           f"(got {len(data)}{'+' if len(data) == 4 * OPERATOR_KEY_BYTES else ''} bytes); "
                            f"make one with `head -c {OPERATOR_KEY_BYTES} /dev/urandom > {path}`")
     return key
 
 
+_HEX_KEY = re.compile(rb"[0-9a-fA-F]{%d}\n?" % (2 * OPERATOR_KEY_BYTES))
+
+
 def _parse_key(data: bytes, hex_only: bool) -> Optional[bytes]:
+    """The key in ``data``: exactly 32 raw bytes (a file only), or exactly 64 hex digits
+    with at most one trailing newline. Nothing else: ``bytes.fromhex`` alone would skip
+    whitespace and take 60 digits and 4 spaces as a 30-byte key."""
     if not hex_only and len(data) == OPERATOR_KEY_BYTES:
         return data
-    text = data[:-1] if data.endswith(b"\n") else data
-    if len(text) == 2 * OPERATOR_KEY_BYTES:
-        try:
-            return bytes.fromhex(text.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            return None
+    if _HEX_KEY.fullmatch(data):
+        return bytes.fromhex(data[: 2 * OPERATOR_KEY_BYTES].decode("ascii"))
     return None
 
 
@@ -247,10 +253,10 @@ def check_keys(keys: Any, n: int) -> list[bytes]:
 
 @dataclass(frozen=True)
 class Header:
-    """One index's header (both copies hold it; ``epoch`` is the copies' difference)."""
+    """One index's header, held by both of its copies."""
 
     pool_id: bytes
-    epoch: int
+    epoch: int  # which copy is newer where both verify; a pool made now holds 1 in both
     file_index: int
     num_files: int
     num_slots: int  # this file's
@@ -285,77 +291,106 @@ class _CopyState:
     NOT_OURS, NEWER, DAMAGED, WRONG_KEY = "not ours", "newer", "damaged", "wrong key"
 
 
-def _unpack(raw: bytes, operator_key: bytes) -> tuple[Optional[Header], Optional[str], int, Optional[PoolKeys]]:
-    """(header or None, why not, its format version, the pool's keys) of one copy."""
+def _structure(raw: bytes) -> tuple[Optional[str], int]:
+    """Whether one copy is a kvoffload header of this format by its unkeyed checks (magic,
+    format version, copy size, CRC over the rest, summary length): (why not or None, its
+    version). Enough to prove a file is kvoffload's (``forget``); not that it is genuine."""
     if len(raw) < HEADER_COPY_BYTES or raw[0:8] != MAGIC:
-        return None, _CopyState.NOT_OURS, 0, None
+        return _CopyState.NOT_OURS, 0
     version = int.from_bytes(raw[8:12], "little")
     if version != FORMAT_VERSION:
-        return None, _CopyState.NEWER if version > FORMAT_VERSION else _CopyState.DAMAGED, version, None
-    if zlib.crc32(raw[:_CRC_OFFSET]) != int.from_bytes(raw[_CRC_OFFSET:_MAC_OFFSET], "little"):
-        return None, _CopyState.DAMAGED, version, None
+        return (_CopyState.NEWER if version > FORMAT_VERSION else _CopyState.DAMAGED), version
+    if (int.from_bytes(raw[12:16], "little") != HEADER_COPY_BYTES
+            or zlib.crc32(raw[:_CRC_OFFSET]) != int.from_bytes(raw[_CRC_OFFSET:_MAC_OFFSET], "little")
+            or int.from_bytes(raw[112:114], "little") > MAX_SUMMARY_BYTES):
+        return _CopyState.DAMAGED, version
+    return None, version
+
+
+def _unpack(raw: bytes, operator_key: bytes) -> tuple[Optional[Header], Optional[str], int, Optional[PoolKeys]]:
+    """(header or None, why not, its format version, the pool's keys) of one copy."""
+    why, version = _structure(raw)
+    if why is not None:
+        return None, why, version, None
     pool_id = bytes(raw[16:32])
     keys = PoolKeys.derive(operator_key, pool_id)
     if not hmac.compare_digest(hmac.digest(keys.index, bytes(raw[:_MAC_OFFSET]), "sha256"), raw[_MAC_OFFSET:]):
         return None, _CopyState.WRONG_KEY, version, None
     n = int.from_bytes(raw[112:114], "little")
-    if n > MAX_SUMMARY_BYTES:
-        return None, _CopyState.DAMAGED, version, None
     i64 = lambda off: int.from_bytes(raw[off:off + 8], "little")  # noqa: E731
     return Header(pool_id, i64(32), int.from_bytes(raw[40:44], "little"), int.from_bytes(raw[44:48], "little"),
                   i64(48), i64(56), i64(64), i64(72), bytes(raw[80:112]),
                   bytes(raw[_SUMMARY_OFFSET:_SUMMARY_OFFSET + n])), None, version, keys
 
 
-def read_header(osc: OsCalls, fd: int, path: str, operator_key: bytes) -> tuple[Header, int, PoolKeys]:
-    """The newest copy of ``path``'s header that verifies, the copy it is in, and the
-    pool's keys; a ``PersistError`` naming the reason otherwise."""
-    raw = bytearray(RECORDS_OFFSET)
+_UNTOUCHED = "it is left untouched"
+
+
+def _read_fully(osc: OsCalls, fd: int, buf: memoryview, offset: int, path: str, what: str) -> None:
+    """Fill ``buf`` from ``offset``, or refuse: a failed or short read is never taken for
+    what the file holds (a transient fault would otherwise pass for a blank index)."""
     try:
-        got = moved(osc.preadv(fd, [memoryview(raw)], 0), osc.preadv)
+        got = moved(osc.preadv(fd, [buf], offset), osc.preadv)
     except OSError as e:
-        raise PersistError(f"cannot read the index header of {path}: {e.strerror or e}") from None
+        raise PersistError(f"cannot read {what} of {path} at byte {offset}: {e.strerror or e}; {_UNTOUCHED}: "
+                           "start again once the disk reads") from None
+    if got != len(buf):
+        raise PersistError(f"cannot read {what} of {path} at byte {offset}: short read ({got} of {len(buf)} bytes); "
+                           f"{_UNTOUCHED}: start again once the disk reads")
+
+
+def read_header(osc: OsCalls, fd: int, path: str, operator_key: bytes) -> tuple[Header, PoolKeys]:
+    """The newest copy of ``path``'s header that verifies and the pool's keys; a
+    ``PersistError`` naming the reason otherwise (a file too short for a header included)."""
+    size = _size(osc, fd, path)
+    if size < RECORDS_OFFSET:
+        raise PersistError(f"{path} is {size} bytes, too short for a kvoffload index; {_UNTOUCHED}: use another "
+                           "disk_path")
+    raw = bytearray(RECORDS_OFFSET)
+    _read_fully(osc, fd, memoryview(raw), 0, path, "the index header")
     found = []
     states = []
     for copy in (0, 1):
         start = copy * HEADER_COPY_BYTES
-        if got < start + HEADER_COPY_BYTES:
-            states.append((_CopyState.DAMAGED, 0))
-            continue
         hdr, why, version, keys = _unpack(raw[start:start + HEADER_COPY_BYTES], operator_key)
         if hdr is not None:
             found.append((hdr.epoch, copy, hdr, keys))
         else:
             states.append((why, version))
     if found:
-        epoch, copy, hdr, keys = max(found, key=lambda f: f[0])
-        return hdr, copy, keys
+        _, _, hdr, keys = max(found, key=lambda f: f[:2])
+        return hdr, keys
     whys = {w for w, _ in states}
-    keep = "it is left untouched"
     if _CopyState.NEWER in whys:
         v = max(v for w, v in states if w == _CopyState.NEWER)
         raise PersistError(f"{path} was written by a newer kvoffload (index format {v}; this one reads "
-                           f"{FORMAT_VERSION}); {keep}: upgrade kvoffload, or use another disk_path")
+                           f"{FORMAT_VERSION}); {_UNTOUCHED}: upgrade kvoffload, or use another disk_path")
     if _CopyState.WRONG_KEY in whys:
         raise PersistError(f"{path} does not verify under this key (the wrong persist key, or another pool's "
-                           f"index); {keep}: give the key it was written with, or remove it with "
+                           f"index); {_UNTOUCHED}: give the key it was written with, or remove it with "
                            f"`python -m kvoffload forget {_data_path(path)}`")
     if whys == {_CopyState.NOT_OURS}:
-        raise PersistError(f"{path} is not a kvoffload index; {keep}: use another disk_path")
-    raise PersistError(f"{path}: both header copies are damaged; {keep}: remove it with "
-                       f"`python -m kvoffload forget {_data_path(path)}`")
+        raise PersistError(f"{path} is not a kvoffload index; {_UNTOUCHED}: use another disk_path")
+    raise PersistError(f"{path}: both header copies are damaged, so nothing proves it is kvoffload's; {_UNTOUCHED}: "
+                       f"use another disk_path, or remove {_data_path(path)} and {path} yourself")
+
+
+def _size(osc: OsCalls, fd: int, path: str) -> int:
+    try:
+        return osc.fstat(fd).st_size
+    except OSError as e:
+        raise PersistError(f"cannot examine {path}: {e.strerror or e}; {_UNTOUCHED}") from None
 
 
 def _data_path(index_path: str) -> str:
     return index_path[: -len(INDEX_SUFFIX)] if index_path.endswith(INDEX_SUFFIX) else index_path
 
 
-def write_header(osc: OsCalls, fd: int, path: str, hdr: Header, keys: PoolKeys, copy: int) -> None:
-    """Write ``hdr`` into header copy ``copy`` and make it durable (fdatasync): the other
-    copy stays intact, so a write torn by a crash leaves the previous header readable."""
-    data = memoryview(hdr.pack(keys))
+def write_headers(osc: OsCalls, fd: int, path: str, hdr: Header, keys: PoolKeys) -> None:
+    """Write ``hdr`` into both copies of a new index and make it durable (fdatasync)."""
+    data = memoryview(hdr.pack(keys) * 2)
     try:
-        n = moved(osc.pwritev(fd, [data], copy * HEADER_COPY_BYTES), osc.pwritev)
+        n = moved(osc.pwritev(fd, [data], 0), osc.pwritev)
         if n != len(data):
             raise OSError(errno.EIO, f"short write ({n} of {len(data)} bytes)")
         osc.fdatasync(fd)
@@ -407,20 +442,30 @@ class FileRecords:
 
 
 def read_records(osc: OsCalls, fd: int, path: str, num_slots: int, keys: PoolKeys) -> FileRecords:
-    """Every record of the index, checked. A chunk whose read fails counts as empty (logged):
-    those slots are simply not restored."""
+    """Every record of the index, checked. A read that fails or comes back short refuses
+    (``PersistError``) rather than take those slots for empty; a chunk holding a record that
+    does not check is read again and must read the same (a torn record is what the disk
+    holds, not a bit flipped on its way here)."""
+    size, want = _size(osc, fd, path), RECORDS_OFFSET + num_slots * RECORD_BYTES
+    if size < want:
+        raise PersistError(f"{path} is {size} bytes but its header describes {num_slots} slots ({want} bytes); "
+                           f"{_UNTOUCHED}: remove the pool with `python -m kvoffload forget {_data_path(path)}`")
     buf = np.zeros(num_slots * RECORD_BYTES, np.uint8)
     mv = memoryview(buf)
     for off in range(0, len(buf), _READ_CHUNK):
-        part = mv[off:off + _READ_CHUNK]
-        try:
-            got = moved(osc.preadv(fd, [part], RECORDS_OFFSET + off), osc.preadv)
-        except OSError as e:
-            got = 0
-            logger.warning("kvoffload: reading the index of %s at %d failed (%s); those records are not restored",
-                           path, RECORDS_OFFSET + off, e.strerror or e)
-        if got < len(part):
-            np.frombuffer(part, np.uint8)[got:] = 0
+        _read_fully(osc, fd, mv[off:off + _READ_CHUNK], RECORDS_OFFSET + off, path, "the index records")
+    records = _check(buf, num_slots, keys)
+    for chunk in np.unique(np.flatnonzero(records.torn) * RECORD_BYTES // _READ_CHUNK).tolist():
+        off = chunk * _READ_CHUNK
+        part, again = mv[off:off + _READ_CHUNK], bytearray(min(_READ_CHUNK, len(buf) - off))
+        _read_fully(osc, fd, memoryview(again), RECORDS_OFFSET + off, path, "the index records")
+        if part != again:
+            raise PersistError(f"{path} read differently twice at byte {RECORDS_OFFSET + off} (a fault on the way "
+                               f"from the disk); {_UNTOUCHED}: start again")
+    return records
+
+
+def _check(buf: np.ndarray, num_slots: int, keys: PoolKeys) -> FileRecords:
     words = buf.view("<u8").reshape(num_slots, RECORD_BYTES // 8)
     raw = buf.view(RECORD_DTYPE)
     empty = ~words.any(axis=1)
@@ -509,12 +554,11 @@ def restorable(per_file: Sequence[FileRecords], reserved: Sequence[int] = ()) ->
 
 @dataclass
 class IndexFile:
-    """One open index: its path, the header it holds now and which copy that is in."""
+    """One open index: its path and the header it holds."""
 
     path: str
     file_index: int
     header: Optional[Header] = None
-    copy: int = 0
     held: list[int] = field(default_factory=list, repr=False)  # [fd] while open (as SlotFile.held)
 
     @property
@@ -523,8 +567,8 @@ class IndexFile:
 
 
 class Pool:
-    """One persistent pool: the index of each of its data files, the keys, the epoch, and
-    what start-up found in the records.
+    """One persistent pool: the index of each of its data files, the keys, and what
+    start-up found in the records.
 
     ``open`` appends every file it opens to its list as it goes (the data files to the
     caller's, the indexes to ``indexes``), so an exception at any line leaves them where
@@ -542,25 +586,26 @@ class Pool:
         self.indexes: list[IndexFile] = []
         self.records: list[FileRecords] = []
         self.keys: Optional[PoolKeys] = None
-        self.epoch = 0
+        self.new = False  # whether this start made the pool
         self.next_seq = 1  # the LRU sequence of the next record written
         self.created: list[str] = []  # files this start-up made (removed again if it fails)
 
     # -- start-up ------------------------------------------------------------------
 
-    def open(self, files: list, max_slot_bytes: Optional[int]) -> None:
-        """Open or create each path's index and data file, check them against the key and
-        this server's layout, then raise the epoch (written and fdatasync'd) past every
-        epoch seen. Refusals (``PersistError``) change nothing on disk."""
+    def open(self, files: list, max_slot_bytes: Optional[int], prefill: bool = False) -> None:
+        """Open or create each path's index and data file and check them against the key and
+        this server's layout. An existing pool is only read: a refusal (``PersistError``),
+        whatever its cause, leaves every file as it was. ``prefill``: write a new pool's data
+        files once (``slot_file._prefill``); an existing pool's are never written here."""
         from kvoffload.budget import file_slots
 
         pool_id: Optional[bytes] = None
-        new_pool: Optional[bool] = None  # decided by the first path: every path must agree
         try:
             for i, path in enumerate(self.paths):
-                pool_id, new_pool = self._open_path(i, path, file_slots(self.num_slots, len(self.paths), i), files,
-                                                    max_slot_bytes, pool_id, new_pool)
-            self._raise_epoch()
+                pool_id = self._open_path(i, path, file_slots(self.num_slots, len(self.paths), i), files,
+                                          max_slot_bytes, pool_id, prefill)
+            seqs = [int(fr.raw["seq"][fr.valid].max()) for fr in self.records if fr.any_valid]
+            self.next_seq = max(seqs, default=0) + 1
         except BaseException:
             # Only what this start-up made (nothing of value: no block was stored in it);
             # a file that was there before is never removed by a start-up.
@@ -571,37 +616,23 @@ class Pool:
                     pass
             raise
 
-    def _raise_epoch(self) -> None:
-        """The epoch past every one the headers and records show, durable in every index
-        before any store (each into the copy not holding the current header: a write torn
-        by a crash leaves that one readable)."""
-        seen = [ix.header.epoch for ix in self.indexes]
-        seen += [int(fr.raw["nonce_hi"][fr.valid].max()) for fr in self.records if fr.any_valid]
-        self.epoch = max(seen) + 1
-        if self.epoch > MAX_EPOCH:
-            raise PersistError(f"{self.paths[0]}: the pool has been started {MAX_EPOCH} times, every nonce epoch is "
-                               f"used; remove it with `python -m kvoffload forget {' '.join(self.paths)}`")
-        seqs = [int(fr.raw["seq"][fr.valid].max()) for fr in self.records if fr.any_valid]
-        self.next_seq = max(seqs, default=0) + 1
-        for ix in self.indexes:
-            hdr = dataclasses.replace(ix.header, epoch=self.epoch)
-            write_header(self.osc, ix.fd, ix.path, hdr, self.keys, 1 - ix.copy)
-            ix.header, ix.copy = hdr, 1 - ix.copy
-
     def _blank(self, ix: IndexFile) -> bool:
-        """Whether the index has no header yet: a start-up killed while creating it, or whose
-        header write the device dropped. Nothing in such a pool can be decrypted (its id
-        is the key's salt), so it is made anew; a missing index is another matter."""
-        head = bytearray(RECORDS_OFFSET)
-        try:
-            got = moved(self.osc.preadv(ix.fd, [memoryview(head)], 0), self.osc.preadv)
-        except OSError as e:
-            raise PersistError(f"cannot read the index header of {ix.path}: {e.strerror or e}") from None
-        return not any(head[:got])
+        """Whether the index is positively blank: empty, or zeros throughout (a start-up killed
+        while creating it, before its header). Nothing in such a pool can be decrypted (its
+        id, the key's salt, is in the header), so it is made anew. Anything unread is not
+        blank: a failed or short read refuses the start instead."""
+        size = _size(self.osc, ix.fd, ix.path)
+        chunk = bytearray(min(size, _READ_CHUNK))
+        for off in range(0, size, _READ_CHUNK):
+            part = memoryview(chunk)[:min(_READ_CHUNK, size - off)]
+            _read_fully(self.osc, ix.fd, part, off, ix.path, "the index")
+            if any(part):
+                return False
+        return True
 
     def _open_path(self, i: int, path: str, num_slots: int, files: list, max_slot_bytes: Optional[int],
-                   pool_id: Optional[bytes], new_pool: Optional[bool]) -> tuple[bytes, bool]:
-        """Path ``i``'s index and data file; (the pool's id, whether the pool is new)."""
+                   pool_id: Optional[bytes], prefill: bool) -> bytes:
+        """Path ``i``'s index and data file; the pool's id."""
         from kvoffload.slot_file import (SlotFileError, _alignment, _close_quietly, _fix_mode, _open_directory,
                                          slot_bytes_for, split_disk_path)
 
@@ -615,11 +646,11 @@ class Pool:
             ist, dst = _lstat(osc, name + INDEX_SUFFIX, dir_fd, ipath), _lstat(osc, name, dir_fd, path)
             for st, p in ((ist, ipath), (dst, path)):
                 if st is not None and not stat.S_ISREG(st.st_mode):
-                    raise PersistError(f"{p} is not a regular file; it is left untouched: use another disk_path")
+                    raise PersistError(f"{p} is not a regular file; {_UNTOUCHED}: use another disk_path")
             if ist is None and dst is not None:
                 raise PersistError(f"{path} exists without its index {ipath}: not a kvoffload persistent file, or "
-                                   f"its index was removed; it is left untouched: use another disk_path, or "
-                                   f"remove it with `python -m kvoffload forget {path}`")
+                                   f"its index was removed; {_UNTOUCHED}: use another disk_path, or "
+                                   f"remove it with `python -m kvoffload forget --without-index {path}`")
             ix = IndexFile(ipath, i)
             self.indexes.append(ix)
             flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if ist is None else 0)
@@ -628,7 +659,7 @@ class Pool:
             except OSError as e:
                 raise PersistError(f"cannot open {ipath}: {e.strerror or e}") from None
             try:
-                # One process per pool: two would use the same epoch, hence the same nonces.
+                # One process per pool: two would write the same records under each other.
                 osc.flock(ix.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise PersistError(f"{ipath} is in use by another kvoffload process (its flock is held); one "
@@ -645,7 +676,9 @@ class Pool:
                 raise PersistError(f"cannot set up {ipath}: {e.strerror or e}") from None
             slot_bytes = slot_bytes_for(self.block_bytes, alignment, self.use_page_cache)
             new_index = ist is None or self._blank(ix)
-            if new_pool is not None and new_index != new_pool:
+            if i == 0:
+                self.new = new_index
+            elif new_index != self.new:
                 raise PersistError(f"{ipath} is {'new' if new_index else 'there'} but {self.paths[0]}{INDEX_SUFFIX} "
                                    f"{'is not' if new_index else 'was new'}: a pool keeps its disk paths; restore "
                                    f"them, or remove the pool with `python -m kvoffload forget "
@@ -654,7 +687,7 @@ class Pool:
             if max_slot_bytes is not None and slot_bytes > max_slot_bytes:
                 raise SlotFileError(errno.EFBIG, f"the slot file for {path!r} would exceed its budget: {num_slots} "
                                                  f"slots of {self.block_bytes} B are padded to {slot_bytes} B each")
-            want = Header(pool_id or b"", 0, i, len(self.paths), num_slots, slot_bytes, self.block_bytes,
+            want = Header(pool_id or b"", 1, i, len(self.paths), num_slots, slot_bytes, self.block_bytes,
                           self.num_slots, self.fingerprint, self.summary)
             if new_index:
                 self.keys = PoolKeys.derive(self.persist.key, want.pool_id)
@@ -663,14 +696,14 @@ class Pool:
                 except OSError as e:
                     raise PersistError(f"cannot set up {ipath}: {e.strerror or e}") from None
                 _reserve_index(osc, ix.fd, ipath, num_slots)
-                write_header(osc, ix.fd, ipath, want, self.keys, 0)
-                ix.header, ix.copy = want, 0
+                write_headers(osc, ix.fd, ipath, want, self.keys)
+                ix.header = want
                 records = FileRecords.empty(num_slots)
             else:
-                hdr, ix.copy, keys = read_header(osc, ix.fd, ipath, self.persist.key)
+                hdr, keys = read_header(osc, ix.fd, ipath, self.persist.key)
                 if pool_id is not None and hdr.pool_id != pool_id:
-                    raise PersistError(f"{ipath} belongs to another pool than {self.paths[0]}{INDEX_SUFFIX}; it is "
-                                       f"left untouched: give the pool's own disk paths, or remove them with "
+                    raise PersistError(f"{ipath} belongs to another pool than {self.paths[0]}{INDEX_SUFFIX}; "
+                                       f"{_UNTOUCHED}: give the pool's own disk paths, or remove them with "
                                        f"`python -m kvoffload forget {' '.join(self.paths)}`")
                 why = describe_mismatch(ipath, hdr, dataclasses.replace(want, pool_id=hdr.pool_id, epoch=hdr.epoch))
                 if why:
@@ -678,18 +711,19 @@ class Pool:
                 self.keys, ix.header = keys, hdr
                 records = read_records(osc, ix.fd, ipath, num_slots, keys)
                 if dst is None and records.any_valid:
-                    raise PersistError(f"{path} is missing while its index {ipath} holds records; it is left "
-                                       f"untouched: restore the data file, or remove the pool with "
+                    raise PersistError(f"{path} is missing while its index {ipath} holds records; {_UNTOUCHED}: "
+                                       f"restore the data file, or remove the pool with "
                                        f"`python -m kvoffload forget {path}`")
             self.records.append(records)
             if dst is None:
                 self.created.append(path)
             files.append(_open_data(osc, dir_fd, path, name, num_slots, slot_bytes, alignment, self.use_page_cache,
-                                    create=dst is None, may_resize=not records.any_valid))
+                                    create=dst is None, may_resize=not records.any_valid,
+                                    prefill=prefill and new_index))
             if new_index or dst is None:
                 osc.fsync(dir_fd)  # the new names are durable before any block is stored under them
             _close_quietly(osc, dir_fds, directory)
-            return ix.header.pool_id, new_index
+            return ix.header.pool_id
         except BaseException as e:
             while dir_fds:
                 _close_quietly(osc, dir_fds, directory)
@@ -754,9 +788,10 @@ def _reserve_index(osc: OsCalls, fd: int, path: str, num_slots: int) -> None:
 
 
 def _open_data(osc: OsCalls, dir_fd: int, path: str, name: str, num_slots: int, slot_bytes: int, alignment: int,
-               use_page_cache: bool, create: bool, may_resize: bool) -> Any:
-    """The data file, opened (or created, mode 0600) and checked against its index's size."""
-    from kvoffload.slot_file import O_DIRECT, SlotFile, _close_quietly, _fix_mode, _reserve
+               use_page_cache: bool, create: bool, may_resize: bool, prefill: bool) -> Any:
+    """The data file, opened (or created, mode 0600) and checked against its index's size;
+    ``prefill``: written once with zeros (a new pool's only)."""
+    from kvoffload.slot_file import O_DIRECT, SlotFile, _close_quietly, _fix_mode, _prefill, _reserve
 
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (0 if use_page_cache else O_DIRECT)
     flags |= os.O_CREAT | os.O_EXCL if create else 0
@@ -776,6 +811,8 @@ def _open_data(osc: OsCalls, dir_fd: int, path: str, name: str, num_slots: int, 
                                    f"B ({want} bytes); it is left untouched: remove it with "
                                    f"`python -m kvoffload forget {path}`")
             _reserve(osc, fds[0], want, path)
+        if prefill:
+            _prefill(osc, fds[0], want, path)
         return SlotFile(fds[0], path, True, not use_page_cache, alignment, slot_bytes, num_slots, held=fds, kept=True)
     except BaseException:
         while fds:
@@ -803,7 +840,7 @@ def read_pool(paths: Sequence[str], operator_key: bytes, osc: Optional[OsCalls] 
                 fds.append(osc.open(ipath, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
             except OSError as e:
                 raise PersistError(f"cannot open {ipath}: {e.strerror or e}") from None
-            hdr, _, keys = read_header(osc, fds[0], ipath, operator_key)
+            hdr, keys = read_header(osc, fds[0], ipath, operator_key)
             if (pool_id or hdr.pool_id) != hdr.pool_id or hdr.file_index != i or hdr.num_files != len(paths):
                 raise PersistError(f"{ipath} is not file {i} of the pool of {', '.join(paths)}")
             pool_id = hdr.pool_id
@@ -861,21 +898,17 @@ def forget_targets(disk_path: str) -> list[str]:
     return sorted(found)
 
 
-def forget(path: str, without_index: bool = False, osc: Optional[OsCalls] = None) -> str:
-    """Wipe the persistent pool file ``path`` and its index so that nothing in them is
-    readable afterwards, then remove both; one line saying what was done.
-
-    The index is overwritten with zeros and synced: the pool id that salts the key is gone,
-    so the data file's ciphertext cannot be decrypted even with the operator's key. The
-    data file is then discarded (hole-punched: the file system frees its blocks and, where
-    it passes discards on, tells the drive they hold nothing). A pool a server holds (its
-    index flock) is refused, and so is a data file without a kvoffload index unless
-    ``without_index`` (nothing then shows that it is kvoffload's)."""
-    from kvoffload.slot_file import _close_quietly, split_disk_path
+def check_forget(path: str, without_index: bool = False, operator_key: Optional[bytes] = None,
+                 osc: Optional[OsCalls] = None) -> dict[str, int]:
+    """What ``forget`` would remove at ``path`` ({file: size}), once it is proved a kvoffload
+    pool: its index's header (magic, format version, size, CRC; under ``operator_key`` also
+    its HMAC) describes an index of exactly the file's size, and the data file beside it is
+    empty or of the size the header gives. Anything else is a one-line ``PersistError``;
+    nothing is changed."""
+    from kvoffload.slot_file import _close_quietly
 
     osc = osc or OsCalls()
     ipath = path + INDEX_SUFFIX
-    directory, _ = split_disk_path(path)
     have = {}
     for p in (path, ipath):
         try:
@@ -889,9 +922,69 @@ def forget(path: str, without_index: bool = False, osc: Optional[OsCalls] = None
         have[p] = st.st_size
     if not have:
         raise PersistError(f"{path}: no kvoffload pool file or index there")
-    if ipath not in have and not without_index:
+    if ipath not in have:
+        if without_index:
+            return have
         raise PersistError(f"{path} has no kvoffload index, so nothing shows it is kvoffload's; it is left "
                            "untouched (add --without-index to wipe it anyway)")
+    keep = f"it and {path} are left untouched"
+    size = have[ipath]
+    raw = bytearray(min(size, RECORDS_OFFSET))
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(osc.open(os.path.abspath(ipath), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
+            osc.flock(fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the fd
+            got = moved(osc.preadv(fds[0], [memoryview(raw)], 0), osc.preadv)
+        except BlockingIOError:
+            raise PersistError(f"{ipath} is in use by a running kvoffload server; stop it first") from None
+        except OSError as e:
+            raise PersistError(f"cannot read {ipath}: {e.strerror or e}; {keep}") from None
+    finally:
+        while fds:
+            _close_quietly(osc, fds, ipath)
+    if got != len(raw):
+        raise PersistError(f"cannot read {ipath}: short read ({got} of {len(raw)} bytes); {keep}")
+    copies = [bytes(raw[c * HEADER_COPY_BYTES:(c + 1) * HEADER_COPY_BYTES]) for c in (0, 1)]
+    states = [_structure(c) for c in copies]
+    good = [c for c, (why, _) in zip(copies, states) if why is None]
+    if not good:
+        newer = [v for why, v in states if why == _CopyState.NEWER]
+        if newer:
+            raise PersistError(f"{ipath} was written by a newer kvoffload (index format {max(newer)}); {keep}: "
+                               "forget it with that version")
+        raise PersistError(f"{ipath} holds no kvoffload index header (magic, format {FORMAT_VERSION}, checksum), "
+                           f"so nothing proves it is kvoffload's; {keep}")
+    num_slots, slot_bytes = int.from_bytes(good[0][48:56], "little"), int.from_bytes(good[0][56:64], "little")
+    if size != RECORDS_OFFSET + num_slots * RECORD_BYTES:
+        raise PersistError(f"{ipath} is {size} bytes, not the {RECORDS_OFFSET + num_slots * RECORD_BYTES} its header "
+                           f"describes, so nothing proves it is kvoffload's; {keep}")
+    if operator_key is not None and not any(_unpack(c, operator_key)[0] is not None for c in good):
+        raise PersistError(f"{ipath} does not verify under this key: another pool's, or another key's; {keep}")
+    if path in have and have[path] not in (0, num_slots * slot_bytes):
+        raise PersistError(f"{path} is {have[path]} bytes, not the {num_slots * slot_bytes} its index describes, "
+                           f"so nothing proves it is the pool's data; it and {ipath} are left untouched")
+    return have
+
+
+def forget(path: str, without_index: bool = False, osc: Optional[OsCalls] = None,
+           operator_key: Optional[bytes] = None) -> str:
+    """Wipe the persistent pool file ``path`` and its index so that nothing in them is
+    readable afterwards, then remove both; one line saying what was done.
+
+    Only a pool ``check_forget`` proves kvoffload's (a data file without an index only with
+    ``without_index``). The index is overwritten with zeros, its records first and its
+    header last (a wipe cut short can be run again), and synced: the pool id that salts
+    the key is gone, so the data file's ciphertext cannot be decrypted even with the
+    operator's key. The data file is then discarded (hole-punched: the file system frees
+    its blocks and, where it passes discards on, tells the drive they hold nothing). A
+    pool a server holds (its index flock) is refused."""
+    from kvoffload.slot_file import _close_quietly, split_disk_path
+
+    osc = osc or OsCalls()
+    have = check_forget(path, without_index, operator_key, osc)
+    ipath = path + INDEX_SUFFIX
+    directory, _ = split_disk_path(path)
     done = []
     fds: list[int] = []
     try:
@@ -901,17 +994,14 @@ def forget(path: str, without_index: bool = False, osc: Optional[OsCalls] = None
                 osc.flock(fds[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise PersistError(f"{ipath} is in use by a running kvoffload server; stop it first") from None
-            head = bytearray(len(MAGIC))
-            got = moved(osc.preadv(fds[0], [memoryview(head)], 0), osc.preadv)
-            if got and head[:got] != MAGIC[:got] and any(head[:got]):
-                raise PersistError(f"{ipath} is not a kvoffload index; it and {path} are left untouched")
             zeros = memoryview(bytes(_WIPE_CHUNK))
-            for off in range(0, have[ipath], _WIPE_CHUNK):
-                n = min(_WIPE_CHUNK, have[ipath] - off)
+            size = have[ipath]
+            spans = [(off, min(_WIPE_CHUNK, size - off)) for off in range(RECORDS_OFFSET, size, _WIPE_CHUNK)]
+            for off, n in spans + [(0, RECORDS_OFFSET)]:
                 if moved(osc.pwritev(fds[0], [zeros[:n]], off), osc.pwritev) != n:
                     raise OSError(errno.EIO, "short write")
             osc.fdatasync(fds[0])
-            done.append(f"index overwritten ({have[ipath]} bytes)")
+            done.append(f"index overwritten ({size} bytes)")
         if path in have:
             fds.append(osc.open(os.path.abspath(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
             try:

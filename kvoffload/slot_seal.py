@@ -24,6 +24,7 @@ slot is read straight into its block (aligned host blocks under O_DIRECT),
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any, Optional, Protocol
@@ -32,6 +33,8 @@ import numpy as np
 import xxhash
 
 TAG_BYTES = 16
+NONCE_SPACE = 2**96  # AES-GCM's 96-bit nonces
+COUNTER_SPACE = 2**64  # the most nonces one run takes
 
 
 class SlotSeal(Protocol):
@@ -116,9 +119,9 @@ class AesGcmSeal:
     associated data (a ciphertext moved to another slot fails to open).
 
     ``persist`` turns it into a persistent pool's seal: the key derived from the
-    operator's, the epoch in every nonce's top 4 bytes, and the associated data the
-    pool's fingerprint, the slot and the slot's identity (generation and block key),
-    which the record then carries as its third field."""
+    operator's, nonces counted from a random start, and the associated data the pool's
+    fingerprint, the slot and the slot's identity (generation and block key), which the
+    record then carries as its third field."""
 
     name = "aes-gcm"
     label = "encrypted (AES-GCM)"
@@ -131,7 +134,7 @@ class AesGcmSeal:
         # One counter for every write under this key, on either path: a nonce is never reused.
         self._nonce_lock = threading.Lock()
         self._next_nonce = 1
-        self._epoch = 0  # the nonces' top 32 bits (persistent pools: durable before use)
+        self._start = 0  # added to the counter: a persistent pool's random start (``persist``)
         self._prefix = b""  # associated data before the slot index: the pool's fingerprint
         self.ident_bytes = 0  # associated data after it: the slot's identity (persistent only)
         self.aad_bytes = 8  # the slot index (_aad)
@@ -146,13 +149,19 @@ class AesGcmSeal:
         self._aead = AESGCM(key)
         self._aes = algorithms.AES(key)  # the same key, for the streaming decryptor of open_block
 
-    def persist(self, key: bytes, epoch: int, fingerprint: bytes, ident_bytes: int) -> None:
+    def persist(self, key: bytes, fingerprint: bytes, ident_bytes: int) -> None:
         """Seal for a persistent pool from now on (before any slot is sealed): ``key`` derived
-        from the operator's, nonces ``epoch << 64 | counter`` (the epoch made durable by the
-        caller), and the associated data ``fingerprint || slot || ident``."""
+        from the operator's, and the associated data ``fingerprint || slot || ident``.
+
+        The key outlives the process (every start of the pool, and any copy of its files,
+        derives it again), so its nonces must not come from anything the files hold: each
+        start counts from a fresh random start R, uniform below 2**96 - 2**64, so a run's
+        nonces R + 1 .. R + q never wrap. Two starts collide only if their ranges overlap:
+        for N starts sealing Q blocks in all, with probability at most N * Q / 2**95
+        (docs/design.md, "Nonces")."""
         self._set_key(key)
         with self._nonce_lock:
-            self._epoch, self._next_nonce = epoch, 1
+            self._start, self._next_nonce = secrets.randbelow(NONCE_SPACE - COUNTER_SPACE), 1
         self._prefix, self.ident_bytes = fingerprint, ident_bytes
         self.aad_bytes = len(fingerprint) + 8 + ident_bytes
 
@@ -165,9 +174,9 @@ class AesGcmSeal:
         with self._nonce_lock:
             first = self._next_nonce
             self._next_nonce += n
-            if self._next_nonce >= 2**64:  # never wraps into another epoch's nonces
-                raise RuntimeError("kvoffload: this run sealed 2**64 slots; restart it for a new epoch")
-        return first | self._epoch << 64
+            if self._next_nonce >= COUNTER_SPACE:  # keeps R + counter below 2**96
+                raise RuntimeError("kvoffload: this run sealed 2**64 slots; restart it for a new nonce start")
+        return self._start + first
 
     def aad(self, slot: int, ident: bytes = b"") -> bytes:
         """What slot ``slot`` holding ``ident`` is authenticated to."""

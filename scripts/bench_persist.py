@@ -114,7 +114,7 @@ def startup(a) -> tuple[float, float, int]:
     osc = OsCalls()
     fd = os.open(path + INDEX_SUFFIX, os.O_RDWR)
     try:
-        _, _, keys = read_header(osc, fd, path + INDEX_SUFFIX, KEY)
+        _, keys = read_header(osc, fd, path + INDEX_SUFFIX, KEY)
         chunk = 1 << 16
         for s in range(0, n, chunk):  # a valid record in every slot, as a full pool's index holds
             local = np.arange(s, min(s + chunk, n))

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from faults import FaultyOsCalls
-from faults._restart import BOTH_IO, EXPECTED, RESTART_SITES, restart_workload, sweep_restart
+from faults import Fault, FaultyOsCalls
+from faults._restart import BOTH_IO, EXPECTED, RESTART_SITES, restart_workload, startup_workload, sweep_restart, \
+    sweep_startup
 
 pytestmark = pytest.mark.faults
 
@@ -46,6 +47,31 @@ def test_the_fault_free_cycle_restores_everything_and_reaches_every_site(tmp_pat
     assert osc.calls["unlink"] == 0  # only a failed creation removes what it made
 
 
+@pytest.mark.parametrize("use_page_cache", [False, True], ids=["direct", "pagecache"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
+@pytest.mark.parametrize("call,fault", CASES + [pytest.param("preadv", Fault.short(0.0), id="preadv-Fault.short(0.0)")])
+def test_startup_sweep(tmp_path, call, fault, persistent, use_page_cache):
+    # Goal: every call a start of a healthy pool makes, failed with every fault kind, once or
+    # from then on: the pool is served as before, or the start is refused in one line with
+    # the files byte-identical; the next fault-free start serves every block (0 pools lost).
+    if use_page_cache and call not in BOTH_IO:
+        pytest.skip("this call does not depend on the page cache")
+    outcomes = sweep_startup(tmp_path, call, fault, persistent, use_page_cache)
+    if call in ("open", "lstat", "flock", "fstat", "preadv"):
+        assert sum(outcomes.values()) >= 1, "a start-up makes this call: the sweep must reach it"
+    if call == "pwritev":
+        assert outcomes == {"served": 0, "refused": 0}, "a start of an existing pool writes nothing"
+
+
+def test_the_fault_free_start_up_serves_the_pool(tmp_path):
+    # Goal: the start-up sweep is not vacuous: without a fault the start serves every block.
+    d = tmp_path / "start"
+    d.mkdir(mode=0o700)
+    osc = FaultyOsCalls()
+    assert startup_workload(d, osc) == "served"
+    assert osc.calls["preadv"] >= 2 and osc.calls["pwritev"] == 0
+
+
 # -- kill -9 at every write of a store ---------------------------------------------------------
 
 # One process imports torch once and forks a child per kill point (a fresh interpreter per
@@ -55,7 +81,7 @@ def test_the_fault_free_cycle_restores_everything_and_reaches_every_site(tmp_pat
 _ZYGOTE = r"""
 import hashlib, json, os, signal, sys
 import torch
-from faults import FaultyOsCalls
+from faults import Fault, FaultyOsCalls
 from kvoffload import DiskBackend
 from kvoffload.persist import Persist
 

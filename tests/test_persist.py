@@ -141,18 +141,64 @@ def test_either_io_path_reads_the_others_pool(disk):
         assert served == {1: first.encode() + b"1", 2: first.encode() + b"2"}
 
 
-def test_each_start_raises_the_epoch_and_no_nonce_repeats(disk, io_path):
-    # Goal: under one key, no (key, nonce) pair is used twice across restarts: every start
-    # writes a higher epoch before any store, and each record's nonce carries its epoch.
-    nonces = []
-    for epoch in range(1, 4):
-        b, c = start(disk, io_path)
-        assert b._run.pool.epoch == epoch
-        assert store(b, c, [1, 2], [b"x%d" % epoch, b"y%d" % epoch])
-        nonces += [b._run.records[s][0] for s in (1, 2)]
-        b.shutdown()
-    assert len(set(nonces)) == len(nonces)
-    assert [n >> 64 for n in nonces] == [1, 1, 2, 2, 3, 3]
+def stored_nonces(disk, slots) -> list[int]:
+    """The nonces the index records for ``slots`` (each the one its block was sealed with)."""
+    raw = np.frombuffer((disk / ("kv" + INDEX_SUFFIX)).read_bytes()[RECORDS_OFFSET:], RECORD_DTYPE)
+    return [int(raw["nonce_hi"][s]) << 64 | int(raw["nonce_lo"][s]) for s in slots]
+
+
+def test_no_nonce_repeats_across_restarts_restores_and_copies(disk, tmp_path, io_path):
+    # Goal: under one key, no (key, nonce) pair is used twice, whatever happens to the files:
+    # plain restarts, both files put back from a copy (a backup, a snapshot), each one alone,
+    # and the pair copied to another host. Nonces come from a random start per start-up, not
+    # from anything the files show (the files said the same each time the copy came back).
+    import shutil
+
+    snap = tmp_path / "snap"
+    nonces: list[int] = []
+    runs = 0
+
+    def run(where, slots):
+        nonlocal runs
+        b, c = start(where, io_path)
+        try:
+            assert store(b, c, slots, [b"r%d-%d" % (runs, s) for s in slots])
+        finally:
+            b.shutdown()
+        runs += 1
+        nonces.extend(stored_nonces(where, slots))
+
+    run(disk, [1, 2])
+    shutil.copytree(disk, snap)
+    for _ in range(3):  # plain restarts
+        run(disk, [2, 3])
+    for put_back in (["kv", "kv.index"], ["kv", "kv.index"], ["kv.index"], ["kv"]):
+        for name in put_back:
+            shutil.copy2(snap / name, disk / name)
+        run(disk, [2, 3])  # slot 2 again: the very store that repeated a nonce when epochs came from the files
+    other = tmp_path / "other-host"
+    shutil.copytree(snap, other)
+    run(other, [2, 3])
+    run(other, [2, 3])
+    assert len(nonces) == 2 * runs
+    assert len(set(nonces)) == len(nonces), "a nonce was used twice under the pool's key"
+    assert all(0 < n < 2**96 for n in nonces)
+
+
+def test_nonce_starts_are_random_and_counted_within_a_run():
+    # Goal: a persistent seal counts up from a random start (no two starts alike), the
+    # counter never reaching 2**96; an ephemeral seal (a fresh key per run) counts from 1.
+    from kvoffload.slot_seal import COUNTER_SPACE, NONCE_SPACE, AesGcmSeal
+
+    starts = []
+    for _ in range(64):
+        s = AesGcmSeal()
+        assert s.reserve_nonces(3) == 1 and s.reserve_nonces(1) == 4
+        s.persist(bytes(16), bytes(32), 57)
+        first = s.reserve_nonces(5)
+        assert s.reserve_nonces(1) == first + 5 and first + COUNTER_SPACE <= NONCE_SPACE
+        starts.append(first)
+    assert len(set(starts)) == len(starts) and max(starts) >= 2**90
 
 
 def test_a_torn_or_garbled_record_is_not_restored(disk, io_path):
@@ -204,7 +250,7 @@ def test_tampered_blocks_fail_their_tag_and_are_never_served(disk, tmp_path, io_
     elif attack in ("relabel", "regenerate"):
         fd = os.open(idx, os.O_RDONLY)
         try:
-            _, _, keys = read_header(OsCalls(), fd, str(idx), KEY)
+            _, keys = read_header(OsCalls(), fd, str(idx), KEY)
         finally:
             os.close(fd)
         r = np.frombuffer(irec[rec(2)], RECORD_DTYPE).copy()
@@ -319,14 +365,19 @@ def test_start_up_refusals_are_one_line_and_touch_nothing(disk, io_path, fd_guar
 
 
 def test_one_valid_header_copy_is_enough(disk, io_path):
-    # Goal: a header write torn by a crash (one copy damaged) still starts, from the other
-    # copy, and the next start-up writes the damaged one anew.
+    # Goal: a header copy damaged on disk (a bad sector, a write torn by a crash) still
+    # starts, from the other copy; either copy alone is enough.
     b, c = start(disk, io_path)
     assert store(b, c, [1], [b"a"])
     b.shutdown()
     idx = disk / ("kv" + INDEX_SUFFIX)
     raw = bytearray(idx.read_bytes())
-    raw[2048 + 200] ^= 0xFF  # the newer copy (start-up wrote epoch 1 into copy 1)
+    raw[2048 + 200] ^= 0xFF  # copy 1 (copy 0 then holds the header)
+    idx.write_bytes(raw)
+    served, _ = restart_and_check(disk, io_path)
+    assert served == {1: b"a"}
+    raw[2048 + 200] ^= 0xFF
+    raw[200] ^= 0xFF  # now copy 0 is damaged and copy 1 intact
     idx.write_bytes(raw)
     served, _ = restart_and_check(disk, io_path)
     assert served == {1: b"a"}
@@ -339,6 +390,66 @@ def test_a_start_up_that_fails_creating_the_pool_leaves_nothing(disk, io_path):
     with pytest.raises(OSError, match="not enough space"):
         start(disk, io_path, osc=osc)
     assert os.listdir(disk) == []
+
+
+@pytest.mark.parametrize("fault", [Fault.short(0.0), Fault.short(0.5), Fault.error(5), Fault.bitflip(0, 3),
+                                   Fault.bitflip(130, 0)], ids=repr)
+def test_a_fault_reading_the_pool_at_start_up_never_costs_it(disk, io_path, fault):
+    # Goal: a short read, EIO or a bit flipped on its way, at any read start-up makes of the
+    # index, either starts the pool as it was or refuses in one line with every file byte
+    # for byte as it was; the next start serves every block. (One short read used to pass
+    # for a blank index: start-up truncated it and made a new pool, every block lost.)
+    b, c = start(disk, io_path)
+    assert store(b, c, [1, 2, 3], [b"a", b"b", b"c"])
+    b.shutdown()
+    count = FaultyOsCalls()
+    start(disk, io_path, osc=count)[0].shutdown()
+    reads = count.calls["preadv"]
+    assert reads >= 2
+    for n in range(1, reads + 1):
+        before = digest_files(disk)
+        osc = FaultyOsCalls().fail_nth("preadv", n, fault)
+        try:
+            b, c = start(disk, io_path, osc=osc)
+        except PersistError as e:
+            assert "\n" not in str(e) and "left untouched" in str(e), e
+            assert digest_files(disk) == before, f"preadv #{n} {fault!r}: a refused start changed the files"
+        else:
+            try:  # started: as it was, every block
+                assert dict(b.restored().entries()) == {1: b"a", 2: b"b", 3: b"c"}, f"preadv #{n} {fault!r}"
+                assert load(b, c, [1, 2, 3]) == {s: content(k) for s, k in ((1, b"a"), (2, b"b"), (3, b"c"))}
+            finally:
+                b.shutdown()
+        served, refused = restart_and_check(disk, io_path)
+        assert served == {1: b"a", 2: b"b", 3: b"c"} and refused == {}, f"preadv #{n} {fault!r} cost blocks"
+
+
+def test_prefill_writes_a_new_pools_file_and_never_an_existing_ones(disk, io_path):
+    # Goal: prefill with persist writes the new pool's data file once, whole, before init
+    # returns (every store then a rewrite); an existing pool's data file is never written at
+    # start-up, prefill or not, and its blocks are served.
+    def data_writes(osc):
+        fds: list[int] = []
+        osc.after("open", lambda i: fds.append(i.result) if str(i.args[0]) == "kv" and i.error is None else None)
+        done: list[int] = []
+        osc.after("pwritev", lambda i: done.append(i.result) if i.args[0] in fds and i.error is None else None)
+        return done
+
+    osc = FaultyOsCalls()
+    wrote = data_writes(osc)
+    b, c = start(disk, io_path, osc=osc, prefill=True)
+    size = os.path.getsize(disk / "kv")
+    assert sum(wrote) == size > 0, "a new persistent pool's data file was not prefilled"
+    assert store(b, c, [1], [b"a"])
+    b.shutdown()
+    osc = FaultyOsCalls()
+    wrote = data_writes(osc)
+    b, c = start(disk, io_path, osc=osc, prefill=True)
+    try:
+        assert wrote == [], "prefill wrote over an existing pool's data file"
+        assert load(b, c, [1]) == {1: content(b"a")}
+    finally:
+        b.shutdown()
 
 
 def test_operator_key_sources(tmp_path, monkeypatch):
@@ -367,6 +478,16 @@ def test_operator_key_sources(tmp_path, monkeypatch):
     bad.append(("not set", lambda: read_operator_key(key_env="KVO_NOPE")))
     monkeypatch.setenv("KVO_BAD", "zz" * 32)
     bad.append(("64 hex digits", lambda: read_operator_key(key_env="KVO_BAD")))
+    # 60 hex digits and 4 spaces (bytes.fromhex skips whitespace: a 30-byte key), two newlines,
+    # a CRLF, a leading space: each refused, naming the one form taken.
+    for i, text in enumerate([KEY.hex()[:60] + "    ", KEY.hex()[:30] + "  " + KEY.hex()[30:60] + "  ",
+                              KEY.hex() + "\n\n", KEY.hex() + "\r\n", " " + KEY.hex(), KEY.hex()[:62]]):
+        monkeypatch.setenv(f"KVO_WS{i}", text)
+        bad.append(("exactly 64 hex digits", lambda i=i: read_operator_key(key_env=f"KVO_WS{i}")))
+        spaced = tmp_path / f"spaced{i}"
+        spaced.write_text(text)
+        spaced.chmod(0o600)
+        bad.append(("exactly 64 hex digits", lambda p=spaced: read_operator_key(str(p))))
     bad.append(("exactly one of", lambda: read_operator_key(str(f), "KVO_KEY")))
     for match, call in bad:
         with pytest.raises(PersistError, match=match) as e:
@@ -376,19 +497,20 @@ def test_operator_key_sources(tmp_path, monkeypatch):
 
 def test_forget_wipes_the_pool_so_nothing_is_readable(disk, io_path, capsys):
     # Goal: `python -m kvoffload forget` refuses a pool a server holds and a file that is not
-    # kvoffload's; on a stopped pool it zeroes the index (the pool id that salts the key goes
-    # with it), discards the data and removes both: nothing can be restored any more.
+    # kvoffload's (one line, exit 2, nothing touched); on a stopped pool it zeroes the index
+    # (the pool id that salts the key goes with it), discards the data and removes both:
+    # nothing can be restored any more.
     from kvoffload.__main__ import main
 
     b, c = start(disk, io_path)
     assert store(b, c, [1, 2], [b"a", b"b"])
-    assert main(["forget", str(disk / "kv")]) == 1
+    assert main(["forget", str(disk / "kv")]) == 2
     assert "in use by a running kvoffload server" in capsys.readouterr().err
     b.shutdown()
     (disk / "other").write_bytes(b"someone's data")
     (disk / ("other" + INDEX_SUFFIX)).write_bytes(b"not an index at all")
-    assert main(["forget", str(disk / "other")]) == 1
-    assert "not a kvoffload index" in capsys.readouterr().err
+    assert main(["forget", str(disk / "other")]) == 2
+    assert "holds no kvoffload index header" in capsys.readouterr().err
     assert (disk / "other").read_bytes() == b"someone's data"
     idx_inode = os.stat(disk / ("kv" + INDEX_SUFFIX)).st_ino
     fd = os.open(disk / ("kv" + INDEX_SUFFIX), os.O_RDONLY)  # what a lingering reader would see
@@ -401,14 +523,74 @@ def test_forget_wipes_the_pool_so_nothing_is_readable(disk, io_path, capsys):
     assert "forgot" in capsys.readouterr().out
     b, c = start(disk, io_path)  # a fresh pool
     try:
-        assert b.restored().entries() == [] and b._run.pool.epoch == 1
+        assert b.restored().entries() == [] and b._run.pool.new
     finally:
         b.shutdown()
     assert main(["forget", str(disk / "nothing")]) == 2
     assert "no kvoffload pool file or index there" in capsys.readouterr().err
     (disk / "d.dp0.rank0").mkdir()  # a directory where a rank's file would be: one line, nothing removed
-    assert main(["forget", str(disk / "d")]) == 1
+    assert main(["forget", str(disk / "d")]) == 2
     assert capsys.readouterr().err.count("\n") == 1 and (disk / "d.dp0.rank0").is_dir()
+
+
+def _not_a_pool(disk, name: str, index: bytes, data: bytes = b"someone's disk image") -> None:
+    (disk / name).write_bytes(data)
+    (disk / (name + INDEX_SUFFIX)).write_bytes(index)
+
+
+@pytest.mark.parametrize("case", ["zero-magic", "blank", "empty", "magic-only", "bad-crc", "newer", "wrong-size",
+                                  "data-size"])
+def test_forget_removes_only_a_proven_pool(disk, case, capsys):
+    # Goal: `forget` proves a file set is a kvoffload pool before it wipes anything: a header
+    # copy with the magic, this format, its size and a CRC over it, describing an index of
+    # the file's size and a data file of the size beside it. Anything else (an index whose
+    # first 8 bytes are zero and the rest other data, an all-zero or empty one, a magic
+    # alone, a bad CRC, a newer format, sizes that do not match) is one line, exit 2, and
+    # both files are byte for byte as they were.
+    from kvoffload.__main__ import main
+
+    b, c = start(disk, "python")
+    assert store(b, c, [1], [b"a"])
+    b.shutdown()
+    real = (disk / ("kv" + INDEX_SUFFIX)).read_bytes()
+    index = {
+        "zero-magic": bytes(8) + os.urandom(RECORDS_OFFSET + 1000),
+        "blank": bytes(RECORDS_OFFSET + SLOTS * RECORD_BYTES),
+        "empty": b"",
+        "magic-only": b"KVOFFIDX" + bytes(RECORDS_OFFSET + SLOTS * RECORD_BYTES - 8),
+        "bad-crc": real[:100] + bytes([real[100] ^ 1]) + real[101:2148] + bytes([real[2148] ^ 1]) + real[2149:],
+        "newer": real[:8] + (2).to_bytes(4, "little") + real[12:2056] + (2).to_bytes(4, "little") + real[2060:],
+        "wrong-size": real + bytes(RECORD_BYTES),
+        "data-size": real,
+    }[case]
+    _not_a_pool(disk, "disk.img", index, (disk / "kv").read_bytes() + b"x" if case == "data-size" else b"mine")
+    before = digest_files(disk)
+    assert main(["forget", str(disk / "disk.img")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "left untouched" in err, err
+    assert digest_files(disk) == before
+    # The real pool is proved, under its key too; under another key it is refused.
+    key = disk.parent / "key"
+    key.write_bytes(bytes(32))
+    key.chmod(0o600)
+    assert main(["forget", "--key-file", str(key), str(disk / "kv")]) == 2
+    assert "does not verify under this key" in capsys.readouterr().err and digest_files(disk) == before
+    key.write_bytes(KEY)
+    assert main(["forget", "--key-file", str(key), str(disk / "kv")]) == 0
+    assert not (disk / "kv").exists() and (disk / "disk.img").exists()
+
+
+def test_forget_refuses_every_target_before_wiping_any(disk, capsys):
+    # Goal: with several disk paths, one that is not kvoffload's refuses them all: nothing wiped.
+    from kvoffload.__main__ import main
+
+    b, c = start(disk, "python")
+    assert store(b, c, [1], [b"a"])
+    b.shutdown()
+    _not_a_pool(disk, "disk.img", bytes(8) + os.urandom(5000))
+    before = digest_files(disk)
+    assert main(["forget", str(disk / "kv"), str(disk / "disk.img")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and digest_files(disk) == before
 
 
 def test_without_persist_nothing_is_named(disk, io_path):
