@@ -19,6 +19,7 @@ import json
 import json.scanner
 import math
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -386,6 +387,11 @@ def read_json(path: str) -> Any:
         raise InputError(f"{path}:{e.lineno}: not JSON: {e.msg} at column {e.colno}") from None
     except RecursionError:
         raise InputError(f"{path}: not JSON this program reads: nested too deeply") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        limit = sys.get_int_max_str_digits()
+        long = re.search(r"\d{%d,}" % (limit + 1), text) if limit else None
+        line = f":{text.count(chr(10), 0, long.start()) + 1}" if long else ""
+        raise InputError(f"{path}{line}: not JSON this program reads: an integer of more than {limit} digits") from None
 
 
 class _LocatingDecoder(json.JSONDecoder):

@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvoffload.cli_args import finite_number, integer_at_least, require
+from kvoffload.cli_args import require
+from kvsim.limits import MAX_BYTES, MAX_MS, MAX_TP, MIN_MS, integer_in, integer_range, number_in, number_range
 
 MiB = 1 << 20
 # The hidden sizes of the models calibrate gpu times at tp > 1 (Qwen3-32B 5,120, Llama-3-70B
@@ -227,9 +228,12 @@ def check(records: Any, path: str, doc: Any) -> list[dict[str, Any]]:
     require(isinstance(records, list), path, doc, "allreduce", "allreduce must be a list of measurements")
     for i, r in enumerate(records):
         require(isinstance(r, dict), path, records, i, "an all-reduce measurement is an object")
-        require(integer_at_least(r.get("tp"), 2), path, r, "tp", "tp must be an integer >= 2")
-        require(integer_at_least(r.get("bytes"), 1), path, r, "bytes", "bytes must be an integer >= 1")
-        require(finite_number(r.get("us")) and r["us"] > 0, path, r, "us", "us must be a number > 0")
+        require(integer_in(r.get("tp"), 2, MAX_TP), path, r, "tp", f"tp must be {integer_range(2, MAX_TP)}")
+        require(integer_in(r.get("bytes"), 1, MAX_BYTES), path, r, "bytes",
+                f"bytes must be {integer_range(1, MAX_BYTES)}")
+        # Measured times in the ranges a step's are (kvsim/limits.py), in microseconds.
+        require(number_in(r.get("us"), MIN_MS * 1e3, MAX_MS * 1e3), path, r, "us",
+                f"us must be {number_range(MIN_MS * 1e3, MAX_MS * 1e3)}")
         require(isinstance(r.get("vllm"), bool), path, r, "vllm", "vllm must be true or false")
     return records
 

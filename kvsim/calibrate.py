@@ -31,6 +31,8 @@ from typing import Any, Optional
 from kvoffload.cli_args import InputError, finite_number, integer_at_least, read_json, require
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, slot_bytes_for
 from kvsim.hardware import Hardware
+from kvsim.limits import (MAX_BENCH_BLOCKS, MAX_BYTES, MAX_CPUS, MAX_DRIVES, MAX_GIB_S, MAX_QUEUE_DEPTH, MAX_ROWS,
+                          MAX_THREADS, MIN_GIB_S, number_in, shown)
 from kvsim.offload import OffloadTier
 from kvsim.profile import HOST_PASSES, SEALS, DiskDirection, GiB, IoCost, IoProfile
 from kvsim.tiers import KVOFFLOAD, TierSpec
@@ -57,21 +59,29 @@ def check_bench(bench: Any, path: str) -> None:
     def need(ok: bool, container: Any, key: Any, message: str) -> None:
         require(ok, path, container, key, message, BenchError)
 
+    # Each figure in its range (kvsim/limits.py): rates in GiB/s, counts of bytes, threads,
+    # paths, rows; calibration replays every case block by block, dozens of times.
     def number(container: Any, key: str, what: str) -> None:
         v = container.get(key)
-        need(finite_number(v) and v > 0, container, key, f"{what}{key} must be a number > 0, got {v!r}")
+        need(finite_number(v) and v > 0, container, key, f"{what}{key} must be a number > 0, got {shown(v)}")
+        need(number_in(v, MIN_GIB_S, MAX_GIB_S), container, key,
+             f"{what}{key} must be a rate in [{MIN_GIB_S:g}, {MAX_GIB_S:g}] GiB/s, got {shown(v)}")
 
-    def count(container: Any, key: str, what: str, optional: bool = False) -> None:
+    def count(container: Any, key: str, what: str, optional: bool = False, most: int = MAX_BYTES) -> None:
         v = container.get(key)
         need((optional and v is None) or integer_at_least(v, 1), container, key,
-             f"{what}{key} must be an integer >= 1, got {v!r}")
+             f"{what}{key} must be an integer >= 1, got {shown(v)}")
+        need(v is None or v <= most, container, key, f"{what}{key} must be an integer in [1, {most}], got {shown(v)}")
 
     need(isinstance(bench, dict) and isinstance(bench.get("cases"), list), bench, "cases",
          "not the output of `python -m kvoffload.bench --json` (no 'cases' list)")
     machine, cfg = bench.get("machine"), bench.get("config")
     need(isinstance(machine, dict) and integer_at_least(machine.get("cpus"), 1), bench, "machine",
          "the bench machine lists no cpus (machine.cpus: an integer >= 1)")
+    count(machine, "cpus", "machine.", most=MAX_CPUS)
     need(isinstance(machine.get("dirs", []), list), machine, "dirs", "machine.dirs must be a list")
+    need(len(machine.get("dirs", [])) <= MAX_DRIVES, machine, "dirs",
+         f"machine.dirs must list at most {MAX_DRIVES} directories (a profile's drives)")
     need(isinstance(cfg, dict) and isinstance(cfg.get("layouts"), dict) and cfg["layouts"], bench, "config",
          "the bench config lists no layouts")
     layouts = cfg["layouts"]
@@ -79,8 +89,8 @@ def check_bench(bench: Any, path: str) -> None:
         need(isinstance(layout, dict), layouts, name, f"layout {name!r} must be an object")
         count(layout, "block_bytes", f"layout {name!r}: ")
     count(cfg, "job_bytes", "config.")
-    for key in ("io_threads", "io_unit_bytes"):
-        count(cfg, key, "config.", optional=True)
+    count(cfg, "io_threads", "config.", optional=True, most=MAX_THREADS)
+    count(cfg, "io_unit_bytes", "config.", optional=True)
     seen: set[str] = set()
     for i, c in enumerate(bench["cases"]):
         need(isinstance(c, dict) and isinstance(c.get("case"), str) and isinstance(c.get("group"), str)
@@ -98,20 +108,26 @@ def check_bench(bench: Any, path: str) -> None:
         if group == "raw":
             count(d, "io_bytes", what + "detail.")
             qd = d.get("by_qd")
-            need(isinstance(qd, dict) and "1" in qd and all(k.isdigit() and int(k) >= 1 for k in qd), d, "by_qd",
-                 f"{what}detail.by_qd must be an object of rates by queue depth, depth 1 included")
+            need(isinstance(qd, dict) and "1" in qd and all(k.isascii() and k.isdigit() and len(k) <= 9
+                                                            and 1 <= int(k) <= MAX_QUEUE_DEPTH for k in qd),
+                 d, "by_qd", f"{what}detail.by_qd must be an object of rates by queue depth (1 to {MAX_QUEUE_DEPTH}), "
+                             f"depth 1 included")
             for k in qd:
                 number(qd, k, f"{what}detail.by_qd.")
         elif group == "seam":
-            count(d, "rows_per_call", what + "detail.")
-            count(d, "threads", what + "detail.", optional=True)
+            count(d, "rows_per_call", what + "detail.", most=MAX_ROWS)
+            count(d, "threads", what + "detail.", optional=True, most=MAX_THREADS)
         elif group in ("disk", "stripe"):
             need(name.rsplit(" ", 1)[-1] in _OPS, c, "case", f"{what}the name must end in one of {', '.join(_OPS)}")
             need(d.get("mode") in ("direct", "pagecache"), d, "mode", f"{what}detail.mode must be direct or pagecache")
             need(d.get("seal") in SEALS, d, "seal", f"{what}detail.seal must be one of {', '.join(SEALS)}")
-            for key in ("paths", "io_threads", "io_unit_bytes"):
-                count(d, key, what + "detail.", optional=True)
-            need(c["bytes"] >= layouts[c["layout"]]["block_bytes"], c, "bytes", f"{what}bytes must be at least one block")
+            count(d, "paths", what + "detail.", optional=True, most=MAX_DRIVES)
+            count(d, "io_threads", what + "detail.", optional=True, most=MAX_THREADS)
+            count(d, "io_unit_bytes", what + "detail.", optional=True)
+            block = layouts[c["layout"]]["block_bytes"]
+            need(c["bytes"] >= block, c, "bytes", f"{what}bytes must be at least one block")
+            need(c["bytes"] // block <= MAX_BENCH_BLOCKS, c, "bytes",
+                 f"{what}bytes must be at most {MAX_BENCH_BLOCKS} blocks of {block} bytes, got {c['bytes']}")
 
 
 def _cases(bench: dict) -> dict[str, dict]:

@@ -19,6 +19,7 @@ from typing import Optional
 
 from kvoffload import budget, cli_args
 
+from kvsim import limits
 from kvsim.calibrate import BenchError, calibrate, fidelity_table, load_bench
 from kvsim.engine import LOAD_POLICIES
 from kvsim.generate import ReloadScenario, SharedPrefixStages
@@ -48,9 +49,12 @@ COMMANDS = """commands:
 """
 
 
-POS_INT = cli_args.Integer(1)
-NONNEG_INT = cli_args.Integer(0)
-POS_FLOAT = cli_args.Number(above=0.0)
+# Every numeric flag has a range (kvsim/limits.py says why each bound is where it is).
+TOKENS = limits.TOKENS
+TOKENS_OR_NONE = limits.TOKENS_OR_NONE
+COUNT = limits.COUNT
+SEED = limits.SEED
+RATE = limits.RATE
 FRACTION = cli_args.FRACTION
 SIZE = cli_args.Size()
 # Arrival times are integer nanoseconds: beyond a million-fold stretch they stop being
@@ -58,6 +62,7 @@ SIZE = cli_args.Size()
 TIME_SCALE = cli_args.Number(above=0.0, maximum=1e6)
 # Each replica is its own engine in one event loop: a few tens is a cluster.
 MAX_REPLICAS = 256
+TP = cli_args.Integer(1, limits.MAX_TP)
 # Generous bytes per hash id a generated request holds (measured ~26 with the default
 # scenario: the tuple slot, the id, the request's share).
 SCENARIO_BYTES_PER_ID = 40
@@ -71,7 +76,7 @@ def _tier(text: str):
 
 
 SCORER_NAMES = cli_args.Names(SCORERS)
-WEIGHT = cli_args.Number(above=0.0)
+WEIGHT = limits.WEIGHT
 
 
 def _router_weights(text: str) -> tuple[tuple[str, float], ...]:
@@ -105,13 +110,13 @@ def _scenario_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(f"reload scenario (no TRACE; defaults: {DEFAULT_SCENARIO}'s)")
     g.add_argument("--scenario", choices=sorted(SCENARIOS),
                    help=f"the deployment and workload to replay (default {DEFAULT_SCENARIO}; docs/kvsim.md)")
-    g.add_argument("--contexts", type=POS_INT, help=f"distinct user contexts ({d.contexts})")
-    g.add_argument("--prefix-len", type=POS_INT, help=f"shared system prompt tokens ({d.prefix_len})")
-    g.add_argument("--context-len", type=POS_INT, help=f"tokens per user context ({d.context_len})")
-    g.add_argument("--suffix-len", type=POS_INT, help=f"new question tokens per request ({d.suffix_len})")
-    g.add_argument("--output-len", type=NONNEG_INT, help=f"output tokens per request ({d.output_len})")
-    g.add_argument("--fill-rate", type=POS_FLOAT, help=f"requests/s in the fill phase ({d.fill_rate})")
-    g.add_argument("--reload-rate", type=POS_FLOAT, help=f"requests/s in the reload phase ({d.reload_rate})")
+    g.add_argument("--contexts", type=COUNT, help=f"distinct user contexts ({d.contexts})")
+    g.add_argument("--prefix-len", type=TOKENS, help=f"shared system prompt tokens ({d.prefix_len})")
+    g.add_argument("--context-len", type=TOKENS, help=f"tokens per user context ({d.context_len})")
+    g.add_argument("--suffix-len", type=TOKENS, help=f"new question tokens per request ({d.suffix_len})")
+    g.add_argument("--output-len", type=TOKENS_OR_NONE, help=f"output tokens per request ({d.output_len})")
+    g.add_argument("--fill-rate", type=RATE, help=f"requests/s in the fill phase ({d.fill_rate})")
+    g.add_argument("--reload-rate", type=RATE, help=f"requests/s in the reload phase ({d.reload_rate})")
 
 
 WORKLOAD_FLAGS = ("contexts", "prefix_len", "context_len", "suffix_len", "output_len", "fill_rate", "reload_rate")
@@ -150,8 +155,9 @@ def _scenario(a: argparse.Namespace, reload_only: bool = False) -> tuple[Scenari
 
 def _model_args(p: argparse.ArgumentParser, default_help: str) -> None:
     p.add_argument("--model", choices=sorted(MODELS), help=f"model shape (default: {default_help})")
-    p.add_argument("--kv-bytes-per-token", type=POS_INT, help="override the model's KV bytes per token")
-    p.add_argument("--block-size", type=POS_INT, default=Hardware.block_size,
+    p.add_argument("--kv-bytes-per-token", type=limits.KV_BYTES_PER_TOKEN,
+                   help="override the model's KV bytes per token")
+    p.add_argument("--block-size", type=TOKENS, default=Hardware.block_size,
                    help=f"vLLM block size in tokens ({Hardware.block_size})")
 
 
@@ -189,18 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-policy", choices=LOAD_POLICIES,
                    help="always load offloaded blocks (vLLM), or recompute when that finishes sooner "
                         "(default: the scenario's, faster for a trace)")
-    r.add_argument("--max-num-batched-tokens", type=POS_INT,
+    r.add_argument("--max-num-batched-tokens", type=TOKENS,
                    help=f"vLLM's token budget per step (default {Hardware.max_num_batched_tokens})")
-    r.add_argument("--max-num-seqs", type=POS_INT,
+    r.add_argument("--max-num-seqs", type=COUNT,
                    help=f"vLLM's running requests at most (default: the scenario's, {Hardware.max_num_seqs})")
     r.add_argument("--gpu", choices=GPUS, help=f"the GPU's step-time profile (default: the scenario's, "
                                                 f"{DEFAULT_GPU} for a trace; docs/kvsim.md)")
-    r.add_argument("--tp", type=cli_args.Integer(1, 8), help="GPUs per replica, tensor parallel (default: the "
-                                                             "scenario's, 1 for a trace)")
+    r.add_argument("--tp", type=TP, help="GPUs per replica, tensor parallel (default: the scenario's, 1 for a "
+                                         "trace)")
     r.add_argument("--replicas", type=cli_args.Integer(1, MAX_REPLICAS),
                    help="replicas behind a prefix-aware router, each with its GPUs and its own tier (default: the "
                         "scenario's, 1 for a trace)")
-    r.add_argument("--router-prefix-tokens", type=NONNEG_INT, metavar="TOKENS",
+    r.add_argument("--router-prefix-tokens", type=TOKENS_OR_NONE, metavar="TOKENS",
                    help=f"leading tokens of a prompt the router's prefix scorers hash (with --replicas; default "
                         f"{MAX_PREFIX_TOKENS:,}: llm-d's 256 blocks of 16; 0: the whole prompt)")
     r.add_argument("--router-weights", type=_router_weights, metavar="SCORER=W,...",
@@ -216,27 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     t = r.add_argument_group("trace (with TRACE)")
     t.add_argument("--time-scale", type=TIME_SCALE, help="multiply arrival times (2 = half the rate)")
     t.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
-    t.add_argument("--limit", type=POS_INT, help="replay only the first N requests (after sampling)")
-    t.add_argument("--concurrency", type=POS_INT, metavar="N",
+    t.add_argument("--limit", type=COUNT, help="replay only the first N requests (after sampling)")
+    t.add_argument("--concurrency", type=COUNT, metavar="N",
                    help="a closed loop: N requests in flight, the next in the trace's order sent as one finishes "
                         "(inference-perf's concurrent load); its arrival times are not used")
-    r.add_argument("--seed", type=NONNEG_INT,
+    r.add_argument("--seed", type=SEED,
                    help="seed of --sample (trace) or of the reload order (scenario); default 0")
     _scenario_args(r)
 
     g = sub.add_parser("generate", help="write a built-in scenario, or shared-prefix requests, as a kvsim trace")
     g.add_argument("kind", choices=["reload", "shared-prefix"])
     g.add_argument("-o", "--out", type=cli_args.OutputFile(), help="output file (default: stdout)")
-    g.add_argument("--seed", type=NONNEG_INT, help="seed of the reload order, or of the prompts' shuffle (0)")
+    g.add_argument("--seed", type=SEED, help="seed of the reload order, or of the prompts' shuffle (0)")
     _scenario_args(g)
     d = SharedPrefixStages()
     sp = g.add_argument_group("shared-prefix (inference-perf's shared_prefix data, sent as its concurrent load: "
                               "replay it with --concurrency N)")
-    sp.add_argument("--groups", type=POS_INT, help=f"system prompts ({d.groups})")
-    sp.add_argument("--prompts-per-group", type=POS_INT, help=f"questions behind each ({d.prompts_per_group})")
-    sp.add_argument("--system-len", type=POS_INT, help=f"tokens of a system prompt ({d.system_len})")
-    sp.add_argument("--question-len", type=POS_INT, help=f"tokens of a question ({d.question_len})")
-    sp.add_argument("--requests", type=POS_INT, help="requests, the i-th with the i-th of the shuffled prompts "
+    sp.add_argument("--groups", type=COUNT, help=f"system prompts ({d.groups})")
+    sp.add_argument("--prompts-per-group", type=COUNT, help=f"questions behind each ({d.prompts_per_group})")
+    sp.add_argument("--system-len", type=TOKENS, help=f"tokens of a system prompt ({d.system_len})")
+    sp.add_argument("--question-len", type=TOKENS, help=f"tokens of a question ({d.question_len})")
+    sp.add_argument("--requests", type=COUNT, help="requests, the i-th with the i-th of the shuffled prompts "
                                                      "(default: each prompt once)")
 
     h = sub.add_parser("hitrate", help="untimed LRU token hit rate at given capacities")
@@ -244,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--capacity", type=SIZE, action="append", required=True, metavar="SIZE")
     _model_args(h, DEFAULT_MODEL)
     h.add_argument("--sample", type=FRACTION, help="keep this fraction of conversations")
-    h.add_argument("--seed", type=NONNEG_INT, help="seed of --sample (0)")
+    h.add_argument("--seed", type=SEED, help="seed of --sample (0)")
     h.add_argument("--json", action="store_true", help="one JSON object, rates at full precision")
 
     c = cmds.add_parser("calibrate", help="fit an IO profile to kvoffload's bench, or the GPU's step time",
@@ -258,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     io_ = c.add_argument_group("IO (calibrate BENCH.json)")
     io_.add_argument("--base", metavar="PROFILE",
                      help="a profile of the same host for what this bench does not measure (e.g. page-cache writes)")
-    io_.add_argument("--drives", type=POS_INT,
+    io_.add_argument("--drives", type=limits.DRIVES,
                      help="drives the profile has (default: the bench's directories; every rate is one drive's)")
     gg = c.add_argument_group("GPU (calibrate gpu)")
     gg.add_argument("--models", type=GPU_MODELS, metavar="MODEL[:tpN],...",
@@ -276,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     gg.add_argument("--measurements", metavar="FILE", type=TRACE_FILE, action="append",
                     help="fit to the measurements in FILE (a GPU profile or a `calibrate gpu` output) instead of "
                          "timing again; repeat it to add an --allreduce output's all-reduces to a run's steps")
-    gg.add_argument("--allreduce", metavar="TP", type=cli_args.Integer(2, 8),
+    gg.add_argument("--allreduce", metavar="TP", type=cli_args.Integer(2, limits.MAX_TP),
                     help="time tensor parallelism's all-reduce of the hidden state across TP GPUs of this machine "
                          "(one process each) instead of layer stacks, and write the measurements: give them with "
                          "--measurements beside a run's steps to fit a profile's all-reduce")

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from kvoffload.cli_args import finite_number, integer_at_least, read_json, require
+from kvoffload.cli_args import read_json, require
 from kvsim import allreduce
+from kvsim.limits import (MAX_BYTES, MAX_COUNT, MAX_MS, MAX_TOKENS, MAX_TP, MIN_MS, integer_in, integer_range,
+                          number_in, number_range)
 from kvsim.gpu import SMS, SPLITS, TILES, EngineKernels, GpuProfile, StepFit
 from kvsim.models import MODELS, ModelShape, get_model
 
@@ -598,23 +600,33 @@ def read_measurements(path: str) -> dict[str, Any]:
     require(isinstance(doc, dict) and isinstance(doc.get("measurements", []), list)
             and ("measurements" in doc or "allreduce" in doc), path, doc, "measurements",
             "expected an object with a list of measurements (a `calibrate gpu` output or a GPU profile)")
+    # Each figure in its range (kvsim/limits.py): the fit's GEMM tile counts are int64.
     for i, r in enumerate(doc.get("measurements", [])):
         require(isinstance(r, dict), path, doc["measurements"], i, "a measurement is an object")
         m = r.get("model")
         require(m in MODELS and MODELS[m].buildable, path, r, "model", f"unknown model {m!r}")
-        require(integer_at_least(r.get("tp"), 1), path, r, "tp", "tp must be an integer >= 1")
+        require(integer_in(r.get("tp"), 1, MAX_TP), path, r, "tp", f"tp must be {integer_range(1, MAX_TP)}")
         ok = isinstance(r.get("prefills"), list) and all(
-            isinstance(x, list) and len(x) == 2 and integer_at_least(x[0], 1) and integer_at_least(x[1], 0)
+            isinstance(x, list) and len(x) == 2 and integer_in(x[0], 1, MAX_TOKENS) and integer_in(x[1], 0, MAX_TOKENS)
             for x in r["prefills"])
-        require(ok, path, r, "prefills", "prefills must be a list of [new tokens >= 1, cached tokens >= 0]")
+        require(ok, path, r, "prefills", f"prefills must be a list of [new tokens in [1, {MAX_TOKENS}], cached "
+                                         f"tokens in [0, {MAX_TOKENS}]]")
         d = r.get("decode")
-        require(isinstance(d, list) and len(d) == 2 and all(integer_at_least(x, 0) for x in d), path, r, "decode",
-                "decode must be [sequences >= 0, context >= 0]")
-        require(finite_number(r.get("step_ms")) and r["step_ms"] > 0, path, r, "step_ms", "step_ms must be > 0")
+        require(isinstance(d, list) and len(d) == 2 and integer_in(d[0], 0, MAX_COUNT)
+                and integer_in(d[1], 0, MAX_TOKENS), path, r, "decode",
+                f"decode must be [sequences in [0, {MAX_COUNT}], context in [0, {MAX_TOKENS}]]")
+        require(sum(n for n, _ in r["prefills"]) + d[0] <= MAX_TOKENS, path, r, "prefills",
+                f"a step's new tokens (its prefills' and one per decoding sequence) must be at most {MAX_TOKENS}")
+        require(number_in(r.get("step_ms"), MIN_MS, MAX_MS), path, r, "step_ms",
+                f"step_ms must be {number_range(MIN_MS, MAX_MS)}")
         require(r.get("kernels", "eager") in ("eager", "compiled"), path, r, "kernels",
                 "kernels must be \"eager\" or \"compiled\"")
     if doc.get("measurements"):
         require(len(fitted(doc["measurements"])) > 0, path, doc, "measurements", "no measurements to fit")
+    mach = doc.get("machine")
+    if isinstance(mach, dict) and mach.get("memory_bytes") is not None:  # the profile's hbm_bytes, unless an H200
+        require(number_in(mach["memory_bytes"], 1, MAX_BYTES), path, mach, "memory_bytes",
+                f"machine.memory_bytes must be {number_range(1, MAX_BYTES)}")
     return {"commands": [c for c in doc.get("commands", []) if isinstance(c, str)],
             "machine": doc.get("machine") if isinstance(doc.get("machine"), dict) else {},
             "measurements": doc.get("measurements", []),

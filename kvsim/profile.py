@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.cli_args import finite_number, read_json, where
+from kvsim.limits import MAX_CPUS, MAX_DRIVES, MAX_GIB_S, MAX_US, MIN_GIB_S, integer_in, number_in, shown
 
 GiB = 1 << 30
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -136,21 +137,32 @@ class IoProfile:
         for d in ("disk_read", "disk_write"):
             rates.update({f"{d}.{k}": v for k, v in vars(getattr(self, d)).items() if k.endswith("_gib_s")})
         rates.update({f"seal_gib_s.{k}": v for k, v in self.seal_gib_s.items()})
+        # Each figure in its range (kvsim/limits.py): a rate of 1e-300 GiB/s made IO times
+        # past a float's range, 1e9 drives a loop of a billion.
         for name, v in rates.items():
             if not (finite_number(v) and v > 0):
-                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number > 0, got {v!r}")
-        for name, v in (("drives", self.drives), ("cpus", self.cpus), ("copy_call_us", self.copy_call_us),
-                        ("seam_h2d_row_us", self.seam_h2d_row_us), ("seam_d2h_row_us", self.seam_d2h_row_us),
-                        ("slot_cpu_us", self.slot_cpu_us),
-                        *((f"{d}.{k}", getattr(getattr(self, d), k)) for d in ("disk_read", "disk_write")
-                          for k in ("latency_us", "io_us")),
-                        *((f"{c}.{k}", getattr(getattr(self, c), k)) for c in ("first_write", "first_write_page_cache")
-                          for k in ("us", "us_per_mib"))):
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number > 0, got {shown(v)}")
+            if not number_in(v, MIN_GIB_S, MAX_GIB_S):
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be a rate in [{MIN_GIB_S:g}, "
+                                         f"{MAX_GIB_S:g}] GiB/s, got {shown(v)}")
+        costs = (("copy_call_us", self.copy_call_us), ("seam_h2d_row_us", self.seam_h2d_row_us),
+                 ("seam_d2h_row_us", self.seam_d2h_row_us), ("slot_cpu_us", self.slot_cpu_us),
+                 *((f"{d}.{k}", getattr(getattr(self, d), k)) for d in ("disk_read", "disk_write")
+                   for k in ("latency_us", "io_us")),
+                 *((f"{c}.{k}", getattr(getattr(self, c), k)) for c in ("first_write", "first_write_page_cache")
+                   for k in ("us", "us_per_mib")))
+        for name, v in (("drives", self.drives), ("cpus", self.cpus), *costs):
             if not (finite_number(v) and v >= 0):
-                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number >= 0, got {v!r}")
-        for name, v in (("drives", self.drives), ("cpus", self.cpus)):
-            if not isinstance(v, int) or v < 1:
-                raise ProfileError(name, f"profile {self.name!r}: {name} must be an integer >= 1, got {v!r}")
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be a number >= 0, got {shown(v)}")
+        for name, v in costs:
+            if v > MAX_US:
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be at most {MAX_US:g} us, got {shown(v)}")
+        for name, v, most in (("drives", self.drives, MAX_DRIVES), ("cpus", self.cpus, MAX_CPUS)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be an integer >= 1, got {shown(v)}")
+            if not integer_in(v, 1, most):
+                raise ProfileError(name, f"profile {self.name!r}: {name} must be an integer in [1, {most}], "
+                                         f"got {shown(v)}")
         if missing := [s for s in SEALS if s != "off" and s not in self.seal_gib_s]:
             raise ProfileError("seal_gib_s", f"profile {self.name!r}: seal_gib_s lacks {', '.join(missing)}")
 

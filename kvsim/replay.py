@@ -16,7 +16,7 @@ from kvsim.gpu import GpuProfile, load_gpu
 from kvsim.hardware import Hardware
 from kvsim.models import ModelShape
 from kvsim.profile import DEFAULT_PROFILE, IoProfile, bytes_per_ns, load_profile
-from kvsim.request import Request
+from kvsim.request import Request, block_size_error
 from kvsim.router import Router, RouterSpec
 from kvsim.tiering import Tier, TwoLevelTier, make_tier
 from kvsim.tiers import TierSpec
@@ -191,6 +191,8 @@ def _tier_maker(work: Workload, spec: TierSpec, cfg: ReplayConfig) -> tuple[int,
     tokens = {r.block_tokens for r in every}
     if len(tokens) > 1:
         raise ValueError(f"the trace mixes trace blocks of {sorted(tokens)} tokens; kvsim needs one size")
+    if tokens and next(iter(tokens)) % cfg.hw.block_size:  # refused here, before any replica is built
+        raise ValueError(block_size_error(next(iter(tokens)), cfg.hw.block_size))
     unit_blocks = next(iter(tokens)) // cfg.hw.block_size if tokens else 1
     if spec.kind == "none":
         return unit_blocks, lambda: None

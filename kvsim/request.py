@@ -40,11 +40,15 @@ class Units:
         return min(num_blocks // self.per_unit, max(0, len(self.keys) - 1))
 
 
+def block_size_error(block_tokens: int, block_size: int) -> str:
+    return (f"--block-size {block_size}: trace blocks of {block_tokens} tokens are not a multiple of the block "
+            f"size {block_size}")
+
+
 def prompt_units(req: TraceRequest, block_size: int) -> Units:
     per_unit, rem = divmod(req.block_tokens, block_size)
     if rem or not per_unit:
-        raise ValueError(f"trace blocks of {req.block_tokens} tokens are not a multiple of "
-                         f"the block size {block_size}")
+        raise ValueError(block_size_error(req.block_tokens, block_size))
     tail = req.input_length - (len(req.hash_ids) - 1) * req.block_tokens
     last = min(tail, req.block_tokens) // block_size
     keys = list(req.hash_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Optional
@@ -18,6 +19,7 @@ from typing import IO, Optional
 import xxhash
 
 from kvoffload.cli_args import InputError, read_lines
+from kvsim.limits import MAX_ARRIVAL_NS, MAX_TOKENS, integer_in, integer_range, shown
 
 MOONCAKE_BLOCK_TOKENS = 512
 _MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
@@ -38,10 +40,12 @@ class TraceRequest:
     phase: Optional[str] = None
 
 
-def _int_field(rec: dict, key: str, where: str, minimum: int) -> int:
+def _int_field(rec: dict, key: str, where: str, minimum: int, maximum: int = MAX_TOKENS, unit: str = "") -> int:
+    """``rec[key]``, an integer in [minimum, maximum] (kvsim/limits.py: token counts by
+    default; ``unit`` says what else it counts)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TraceError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
+    if not integer_in(v, minimum, maximum):
+        raise TraceError(f"{where}: {key!r} must be {integer_range(minimum, maximum)}{unit}, got {shown(v)}")
     return v
 
 
@@ -59,11 +63,12 @@ def _parse(rec: object, fmt: Optional[str], where: str) -> tuple[str, TraceReque
     n_in = _int_field(rec, "input_length", where, 1)
     n_out = _int_field(rec, "output_length", where, 0)
     phase = None
+    # Arrival times become int64 nanoseconds (kvsim/limits.py).
     if fmt == "mooncake":
-        arrival_ns = _int_field(rec, "timestamp", where, 0) * 1_000_000
+        arrival_ns = _int_field(rec, "timestamp", where, 0, MAX_ARRIVAL_NS // 1_000_000, " (ms)") * 1_000_000
         block = MOONCAKE_BLOCK_TOKENS
     else:
-        arrival_ns = _int_field(rec, "arrival_us", where, 0) * 1_000
+        arrival_ns = _int_field(rec, "arrival_us", where, 0, MAX_ARRIVAL_NS // 1_000, " (us)") * 1_000
         block = _int_field(rec, "block_tokens", where, 1) if "block_tokens" in rec else MOONCAKE_BLOCK_TOKENS
         phase = rec.get("phase")
         if phase is not None and not (isinstance(phase, str) and phase):
@@ -95,6 +100,9 @@ def parse_lines(lines: Iterable[str], name: str = "<trace>") -> Iterator[TraceRe
             raise TraceError(f"{where}: not JSON: {e.msg} at column {e.colno}") from None
         except RecursionError:
             raise TraceError(f"{where}: not a trace record: nested too deeply") from None
+        except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+            raise TraceError(f"{where}: not a trace record: an integer of more than "
+                             f"{sys.get_int_max_str_digits()} digits") from None
         fmt, req = _parse(rec, fmt, where)
         if req.arrival_ns < last_ns:
             raise TraceError(f"{where}: arrival goes backwards ({req.arrival_ns} ns after {last_ns} ns)")

@@ -173,6 +173,16 @@ def test_a_bench_without_what_calibration_needs_is_a_clear_error(tmp_path):
     (lambda d: d.update(first_write={"us": 1, "us_per_mb": 2}), r"first_write: unknown key\(s\) us_per_mb"),
     (lambda d: d.update(first_write_page_cache=3), r"first_write_page_cache must be an object with us, us_per_mib"),
     (lambda d: d.update(slot_cpu_us=-0.5), r"slot_cpu_us must be a number >= 0, got -0.5"),
+    # Each figure in its range (kvsim/limits.py): a rate of 1e-300 GiB/s overflowed a float
+    # (an OverflowError traceback), a cost of 1e300 us too, 2**62 drives never finished.
+    (lambda d: d.update(disk_read={**d["disk_read"], "max_gib_s": 1e-300}),
+     r"disk_read.max_gib_s must be a rate in \[1e-06, 1e\+06\] GiB/s, got 1e-300"),
+    (lambda d: d.update(seal_gib_s={**d["seal_gib_s"], "xxh3": 1e300}),
+     r"seal_gib_s.xxh3 must be a rate in \[1e-06, 1e\+06\] GiB/s, got 1e\+300"),
+    (lambda d: d.update(first_write={"us": 1, "us_per_mib": 1e300}),
+     r"first_write.us_per_mib must be at most 1e\+09 us"),
+    (lambda d: d.update(drives=2**62), r"drives must be an integer in \[1, 1024\], got 4611686018427387904"),
+    (lambda d: d.update(cpus=10**30), r"cpus must be an integer in \[1, 65536\], got 1000000000000000000000000000000"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, edit, match):
     doc = json.loads((PROFILE_DIR / "h200_disk.json").read_text())
@@ -182,6 +192,55 @@ def test_a_bad_profile_names_the_field(tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_profile(str(p))
     assert isinstance(load_profile("h200-disk"), IoProfile)
+
+
+def test_an_absurd_profile_on_the_command_line_is_one_line_naming_its_line(tmp_path, capsys):
+    doc = json.loads((PROFILE_DIR / "h200_disk.json").read_text())
+    doc["drives"] = 2**62  # simulated one by one: the replay never finished
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps(doc, indent=1))
+    assert main(["trace", "replay", "--hardware", str(p), "--contexts", "2", "--tier", "disk:1TB"]) == 2
+    out, err = capsys.readouterr()
+    line = next(i for i, text in enumerate(p.read_text().splitlines(), 1) if '"drives"' in text)
+    assert out == "" and err == (f"kvsim: error: {p}:{line}: profile 'h200-disk': drives must be an integer in "
+                                 f"[1, 1024], got 4611686018427387904\n")
+
+
+def _case(bench: dict, name: str) -> dict:
+    return next(c for c in bench["cases"] if c["case"] == name)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # A ZeroDivisionError (1e300 GiB/s), an OverflowError (1e-300 GiB/s) traceback; a case
+    # of 2**62 bytes, paths or IO threads ran out of memory.
+    (lambda b: _case(b, "llama raw direct-read").update(gib_s_best=1e300),
+     "case 'llama raw direct-read': gib_s_best must be a rate in [1e-06, 1e+06] GiB/s, got 1e+300"),
+    (lambda b: _case(b, "llama raw direct-write")["detail"]["by_qd"].update({"1": 1e-300}),
+     "case 'llama raw direct-write': detail.by_qd.1 must be a rate in [1e-06, 1e+06] GiB/s, got 1e-300"),
+    (lambda b: _case(b, "llama direct xxh3 rewrite").update(bytes=2**45),
+     "case 'llama direct xxh3 rewrite': bytes must be at most 1048576 blocks of 2097152 bytes, got 35184372088832"),
+    (lambda b: _case(b, "llama direct xxh3 rewrite").update(bytes=2**62),
+     "case 'llama direct xxh3 rewrite': bytes must be an integer in [1, 1125899906842624], got 4611686018427387904"),
+    (lambda b: _case(b, "llama direct xxh3 rewrite")["detail"].update(paths=2**62),
+     "case 'llama direct xxh3 rewrite': detail.paths must be an integer in [1, 1024], got 4611686018427387904"),
+    (lambda b: _case(b, "llama direct xxh3 rewrite")["detail"].update(io_threads=10**30),
+     "case 'llama direct xxh3 rewrite': detail.io_threads must be an integer in [1, 1024], got " + str(10**30)),
+    (lambda b: _case(b, "llama seam h2d")["detail"].update(rows_per_call=10**30),
+     "case 'llama seam h2d': detail.rows_per_call must be an integer in [1, 1048576], got " + str(10**30)),
+    (lambda b: b["config"].update(job_bytes=10**30),
+     "config.job_bytes must be an integer in [1, 1125899906842624], got " + str(10**30)),
+    (lambda b: b["machine"].update(cpus=10**30), "machine.cpus must be an integer in [1, 65536], got " + str(10**30)),
+])
+def test_absurd_figures_in_a_bench_name_the_file_and_line(tmp_path, capsys, edit, message):
+    bench = json.loads(_recorded("h200-disk").read_text())
+    edit(bench)
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps(bench, indent=1))
+    assert main(["calibrate", str(p), "-o", str(tmp_path / "hw.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"kvsim: error: {p}:") and err.endswith(f": {message}\n")
+    assert err.count("\n") == 1 and not (tmp_path / "hw.json").exists()
+    assert int(err[len(f"kvsim: error: {p}:"):].split(":")[0]) > 1  # the line of the figure, not the file's first
 
 
 def test_a_profile_from_before_the_per_io_costs_still_loads_without_them(tmp_path):

@@ -85,19 +85,19 @@ def test_generate_then_replay_the_file(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
-    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1, got '0'"),
-    (["--max-num-batched-tokens", "-3"], "argument --max-num-batched-tokens: must be an integer >= 1"),
-    (["--kv-bytes-per-token", "x"], "argument --kv-bytes-per-token: expected an integer >= 1, got 'x'"),
-    (["--contexts", "0"], "argument --contexts: must be an integer >= 1, got '0'"),
-    (["--fill-rate", "0"], "argument --fill-rate: must be a number > 0, got '0'"),
-    (["--reload-rate", "nan"], "argument --reload-rate: must be a number > 0, got 'nan'"),
+    (["--block-size", "0"], "argument --block-size: must be an integer in [1, 1000000000], got '0'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer in [1, 1000000000], got '0'"),
+    (["--max-num-batched-tokens", "-3"], "argument --max-num-batched-tokens: must be an integer in [1, 1000000000]"),
+    (["--kv-bytes-per-token", "x"], "argument --kv-bytes-per-token: expected an integer in [1, 1073741824], got 'x'"),
+    (["--contexts", "0"], "argument --contexts: must be an integer in [1, 1000000000], got '0'"),
+    (["--fill-rate", "0"], "argument --fill-rate: must be a rate in [1e-06, 1e+06] requests/s, got '0'"),
+    (["--reload-rate", "nan"], "argument --reload-rate: must be a rate in [1e-06, 1e+06] requests/s, got 'nan'"),
     (["--gpu-kv", "lots"], "argument --gpu-kv: size='lots': expected an integer number of bytes"),
-    (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 18446744073709551615], got '-1'"),
     (["--tier", "disk:1TB:threads=0"], "threads='0' must be an integer >= 1"),
     ([MINI, "--time-scale", "0"], "argument --time-scale: must be a number > 0, got '0'"),
     ([MINI, "--sample", "1.5"], "argument --sample: must be a fraction in (0, 1], got '1.5'"),
-    ([MINI, "--limit", "0"], "argument --limit: must be an integer >= 1, got '0'"),
+    ([MINI, "--limit", "0"], "argument --limit: must be an integer in [1, 1000000000], got '0'"),
 ])
 def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
     assert main(["trace", "replay", *argv]) == 2
@@ -270,3 +270,107 @@ def test_shared_prefix_requests_are_inference_perfs_in_order(tmp_path, capsys):
         assert main(["trace", "generate", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+# -- issue 44 items 6 and 7: every number checked where it is parsed ------------------------
+
+
+def test_a_concurrency_past_its_range_names_the_flag(tmp_path):
+    # Issue 44 item 7: "Stop argument for islice() must be None or an integer", naming no flag.
+    import subprocess
+    import sys
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    r = subprocess.run([sys.executable, "-m", "kvsim", "trace", "replay", str(t), "--concurrency",
+                        "99999999999999999999999"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr == ("kvsim: error: argument --concurrency: must be an integer in [1, 1000000000], got "
+                        "'99999999999999999999999'\n")
+
+
+@pytest.mark.parametrize("argv", [["trace", "replay", MINI, "--tier", "none"], ["trace", "replay", "--tier", "none"],
+                                  ["trace", "hitrate", MINI, "--capacity", "8GiB"]])
+def test_a_block_size_the_trace_blocks_do_not_divide_is_one_line(capsys, argv):
+    # A ZeroDivisionError traceback when the block size exceeded the trace's 512-token blocks.
+    assert main([*argv, "--block-size", "1024"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("kvsim: error: --block-size 1024: trace blocks of 512 tokens are not a multiple of "
+                                 "the block size 1024\n")
+
+
+def _numeric_flags(*command: str) -> list[str]:
+    """Every flag of ``kvsim COMMAND`` that takes a number (a count, a size, a rate, ...)."""
+    from kvoffload import cli_args
+    from kvsim.cli import build_parser
+    from tests.cli_flags import flag_table, subparser
+    return sorted(f for f, check in flag_table(subparser(build_parser(), *command)).items()
+                  if isinstance(check, (cli_args.Integer, cli_args.Number, cli_args.Size, cli_args.Amount)))
+
+
+SP = ["--groups", "2", "--prompts-per-group", "2", "--system-len", "128", "--question-len", "128"]
+# Where a numeric flag's refusal is tried (it comes first, at parsing); the values of the
+# sweep that are a flag's own (0: no output, the whole prompt, the first seed; a seed is
+# 64 bits), and runs that take them.
+SWEEP = {("trace", "replay"): ["trace", "replay", MINI, "--tier", "none"],
+         ("trace", "generate"): ["trace", "generate", "reload"],
+         ("trace", "hitrate"): ["trace", "hitrate", MINI, "--capacity", "8GiB"],
+         ("calibrate",): ["calibrate", "gpu"]}
+LEGIT = {"--output-len": {"0"}, "--router-prefix-tokens": {"0"}, "--seed": {"0", str(2**63)}}
+RUNS = {("trace", "replay", "--output-len"): [["trace", "replay", "--tier", "none", "--contexts", "2"]],
+        ("trace", "replay", "--seed"): [["trace", "replay", "--tier", "none", "--contexts", "2"],
+                                        ["trace", "replay", MINI, "--tier", "none", "--sample", "0.5"]],
+        ("trace", "replay", "--router-prefix-tokens"): [["trace", "replay", MINI, "--tier", "none", "--replicas", "2",
+                                                         "--limit", "20"]],
+        ("trace", "generate", "--output-len"): [["trace", "generate", "reload", "--contexts", "2"],
+                                                ["trace", "generate", "shared-prefix", *SP]],
+        ("trace", "generate", "--seed"): [["trace", "generate", "reload", "--contexts", "2"],
+                                          ["trace", "generate", "shared-prefix", *SP]],
+        ("trace", "hitrate", "--seed"): [["trace", "hitrate", MINI, "--capacity", "8GiB", "--sample", "0.5"]]}
+SWEPT = [(command, flag, value) for command in SWEEP for flag in _numeric_flags(*command)
+         for value in (str(10**30), str(2**63), "-1", "nan", "inf", "1e400", "0")]
+
+
+@pytest.mark.parametrize("command, flag, value", SWEPT, ids=[f"{' '.join(c)} {f} {v[:8]}" for c, f, v in SWEPT])
+def test_every_numeric_flag_refuses_what_is_out_of_its_range_in_one_line(capsys, command, flag, value):
+    # Every numeric flag of trace replay, trace generate, trace hitrate and calibrate gpu:
+    # huge, negative, not finite, or 0 where 0 means nothing, is one line naming the flag,
+    # exit 2, nothing on stdout; a value that is the flag's own runs.
+    if value in LEGIT.get(flag, ()):
+        for argv in RUNS[(*command, flag)]:
+            assert main([*argv, flag, value]) == 0, capsys.readouterr().err
+            capsys.readouterr()
+        return
+    assert main([*SWEEP[command], flag, value]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"kvsim: error: argument {flag}: ") and err.count("\n") == 1, err
+    assert f"{value!r}" in err or value in err
+
+
+def test_the_sweep_covers_every_numeric_flag():
+    # What the issue lists, at least: the flags it names and a few more of each command.
+    flags = {f for c in SWEEP for f in _numeric_flags(*c)}
+    assert {"--concurrency", "--max-num-seqs", "--replicas", "--time-scale", "--seed", "--limit", "--block-size",
+            "--contexts", "--prefix-len", "--fill-rate", "--groups", "--requests", "--system-len", "--depth",
+            "--budget-s", "--allreduce", "--drives", "--gpu-kv", "--capacity", "--kv-bytes-per-token"} <= flags
+    assert {f for _, f, _ in SWEPT} == flags
+
+
+@pytest.mark.parametrize("weight", [str(10**30), "1e300", "-1", "nan", "inf", "0"])
+def test_router_weights_past_their_range_are_one_line(capsys, weight):
+    assert main(["trace", "replay", MINI, "--replicas", "2", "--router-weights", f"queue={weight}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"kvsim: error: argument --router-weights: must be a weight in (0, 1e+06], got '{weight}'\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fill-rate", "1e-300"], "argument --fill-rate: must be a rate in [1e-06, 1e+06] requests/s, got '1e-300'"),
+    (["--reload-rate", "1e300"], "argument --reload-rate: must be a rate in [1e-06, 1e+06] requests/s, got '1e300'"),
+    (["--seed", str(2**64)], f"argument --seed: must be an integer in [0, {2**64 - 1}], got '{2**64}'"),
+])
+def test_rates_and_seeds_are_bounded_where_they_overflowed_or_wrapped(capsys, argv, message):
+    # --fill-rate 1e-300 was an OverflowError traceback (a gap of 1e309 ns); a seed of
+    # 2**64 sampled as seed 0 does (xxh64 takes it modulo 2**64).
+    for command in (["trace", "replay", "--tier", "none"], ["trace", "generate", "reload"]):
+        assert main([*command, "--contexts", "2", *argv]) == 2
+        assert capsys.readouterr().err == f"kvsim: error: {message}\n"

@@ -298,7 +298,8 @@ def test_calibrate_gpu_refuses_a_mistake_in_one_line(capsys, argv, message):
 
 
 @pytest.mark.parametrize("field,message", [
-    ('"prefills": [[0, 0]]', "prefills must be a list of [new tokens >= 1, cached tokens >= 0]"),
+    ('"prefills": [[0, 0]]',
+     "prefills must be a list of [new tokens in [1, 1000000000], cached tokens in [0, 1000000000]]"),
     ('"prefills": [[16, 0]], "kernels": "fused"', 'kernels must be "eager" or "compiled"'),
 ])
 def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys, field, message):
@@ -307,6 +308,70 @@ def test_a_bad_measurements_file_is_named_with_its_line(tmp_path, capsys, field,
                    '"step_ms": 1}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(bad)]) == 2
     assert f"{bad}:2: {message}" in capsys.readouterr().err
+
+
+TOKEN_RANGES = "prefills must be a list of [new tokens in [1, 1000000000], cached tokens in [0, 1000000000]]"
+DECODE_RANGES = "decode must be [sequences in [0, 1000000000], context in [0, 1000000000]]"
+
+
+@pytest.mark.parametrize("step, message", [
+    # Issue 44 item 6: an OverflowError traceback (10**41 tokens, 10**35 sequences), a
+    # TypeError of 'float' and 'complex' (2**62 tokens), complex "percentages" and exit 0
+    # (2**63 sequences), where int64 tile counts overflowed.
+    ('"prefills": [[' + str(10**41) + ', 0]], "decode": [0, 0]', TOKEN_RANGES),
+    ('"prefills": [[' + str(2**62) + ', 0]], "decode": [0, 0]', TOKEN_RANGES),
+    ('"prefills": [], "decode": [' + str(10**35) + ', 512]', DECODE_RANGES),
+    ('"prefills": [], "decode": [' + str(2**63) + ', 512]', DECODE_RANGES),
+    ('"prefills": [[16, ' + str(10**30) + ']], "decode": [0, 0]', TOKEN_RANGES),
+    ('"prefills": [], "decode": [16, ' + str(2**63) + ']', DECODE_RANGES),
+    ('"prefills": [[600000000, 0], [600000000, 0]], "decode": [0, 0]',
+     "a step's new tokens (its prefills' and one per decoding sequence) must be at most 1000000000"),
+    ('"prefills": [[16, 0]], "decode": [0, 0], "tp": ' + str(2**63), "tp must be an integer in [1, 8]"),
+    ('"prefills": [[16, 0]], "decode": [0, 0], "step_ms": 1e300', "step_ms must be a number in [1e-06, 1e+09]"),
+    ('"prefills": [[16, 0]], "decode": [0, 0], "step_ms": 1e-300', "step_ms must be a number in [1e-06, 1e+09]"),
+    ('"prefills": [[16, 0]], "decode": [0, 0], "step_ms": NaN', "step_ms must be a number in [1e-06, 1e+09]"),
+])
+@pytest.mark.parametrize("check", [True, False])
+def test_absurd_figures_in_a_measurements_file_are_one_line_naming_it(tmp_path, capsys, step, message, check):
+    bad = tmp_path / "m.json"
+    fields = {"model": '"llama3-8b"', "tp": "1", "step_ms": "1"}
+    for key in list(fields):
+        if f'"{key}":' in step:
+            del fields[key]
+    bad.write_text('{"machine": {}, "measurements": [\n {' + ", ".join(f'"{k}": {v}' for k, v in fields.items())
+                   + ", " + step + "}\n]}\n")
+    then = ["--check", "h100"] if check else ["-o", str(tmp_path / "o.json")]
+    argv = ["calibrate", "gpu", "--measurements", str(bad), *then]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == f"kvsim: error: {bad}:2: {message}\n" and out == ""
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_the_issues_measurements_command_exits_2_without_a_traceback(tmp_path):
+    # The command of issue 44 item 6 as a user runs it.
+    import subprocess
+    import sys
+    bad = tmp_path / "m.json"
+    bad.write_text('{"machine": {}, "measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[' + str(10**41)
+                   + ', 0]], "decode": [0, 0], "step_ms": 1}\n]}\n')
+    r = subprocess.run([sys.executable, "-m", "kvsim", "calibrate", "gpu", "--measurements", str(bad), "--check",
+                        "h100"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr == f"kvsim: error: {bad}:2: {TOKEN_RANGES}\n"
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ('{"machine": {"memory_bytes": 1e300},\n "measurements": [{"model": "llama3-8b", "tp": 1, "prefills": [[16, 0]], '
+     '"decode": [0, 0], "step_ms": 1}]}', 1, "machine.memory_bytes must be a number in [1, 1.1259e+15]"),
+    ('{"measurements": [\n {"model": "llama3-8b", "tp": 1, "prefills": [[16, 0]], "decode": [0, 0],\n "step_ms": 1'
+     + "0" * 5000 + '}]}', 3, "not JSON this program reads: an integer of more than 4300 digits"),
+])
+def test_a_measurements_file_past_what_kvsim_reads_is_named(tmp_path, capsys, text, line, message):
+    bad = tmp_path / "m.json"
+    bad.write_text(text + "\n")
+    assert main(["calibrate", "gpu", "--measurements", str(bad), "-o", str(tmp_path / "o.json")]) == 2
+    assert capsys.readouterr().err == f"kvsim: error: {bad}:{line}: {message}\n"
 
 
 # -- tensor parallelism's all-reduce (kvsim/allreduce.py) ---------------------------------------
@@ -388,7 +453,24 @@ def test_a_bad_all_reduce_measurement_is_named_with_its_line(tmp_path, capsys):
     bad.write_text('{"measurements": [], "allreduce": [\n {"tp": 2, "bytes": 10, "us": 1.0, "vllm": true},\n'
                    ' {"tp": 2, "bytes": 10, "us": 0, "vllm": true}\n]}\n')
     assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--measurements", str(bad)]) == 2
-    assert f"{bad}:3: us must be a number > 0" in capsys.readouterr().err
+    assert f"{bad}:3: us must be a number in [0.001, 1e+12]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tp", 2**62, "tp must be an integer in [2, 8]"),
+    ("bytes", 10**30, "bytes must be an integer in [1, 1125899906842624]"),
+    # 1e-300 us: numpy's warnings on stderr, then "SVD did not converge"; 1e300 us fitted.
+    ("us", 1e-300, "us must be a number in [0.001, 1e+12]"),
+    ("us", 1e300, "us must be a number in [0.001, 1e+12]"),
+])
+def test_an_absurd_all_reduce_measurement_is_one_line_naming_it(tmp_path, capsys, field, value, message):
+    records = _allreduce_records(12.0, 300.0)
+    records[4][field] = value
+    bad = tmp_path / "ar.json"
+    bad.write_text('{"measurements": [], "allreduce": [\n' + ",\n".join(json.dumps(r) for r in records) + "\n]}\n")
+    out = tmp_path / "gpu.json"
+    assert main(["calibrate", "gpu", "--measurements", str(PROFILE), "--measurements", str(bad), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"kvsim: error: {bad}:6: {message}\n" and not out.exists()
 
 
 def test_measurements_given_twice_or_two_runs_of_steps_are_refused(tmp_path, capsys):

@@ -35,7 +35,7 @@ def test_kvsim_records_parse_with_their_block_size_and_phase():
 @pytest.mark.parametrize("line, match", [
     ("{not json", r"^t:2: not JSON"),
     (_rec(hash_ids=[0]), r"^t:2: 1 hash_ids for input_length 1000: expected ceil\(1000/512\) = 2"),
-    (_rec(input_length=0), r"^t:2: 'input_length' must be an integer >= 1"),
+    (_rec(input_length=0), r"^t:2: 'input_length' must be an integer in \[1, 1000000000\], got 0"),
     (_rec(output_length="5"), r"^t:2: 'output_length' must be an integer"),
     (_rec(hash_ids=[0, -1]), r"^t:2: 'hash_ids' must be a list of integers in \[0, 2\*\*64\)"),
     ('{"timestamp": 0}', r"^t:2: mooncake record lacks hash_ids, input_length, output_length"),
@@ -44,6 +44,60 @@ def test_kvsim_records_parse_with_their_block_size_and_phase():
 def test_bad_records_name_their_line(line, match):
     with pytest.raises(TraceError, match=match):
         list(parse_lines([_rec(timestamp=5), line], "t"))
+
+
+@pytest.mark.parametrize("line, match", [
+    # Each figure in its range (kvsim/limits.py), refused where the record is read.
+    (_rec(output_length=10**30), r"^t:2: 'output_length' must be an integer in \[0, 1000000000\], got 1000000000000000000000000000000$"),
+    (_rec(input_length=2**62), r"^t:2: 'input_length' must be an integer in \[1, 1000000000\], got 4611686018427387904$"),
+    (_rec(timestamp=10**30), r"^t:2: 'timestamp' must be an integer in \[0, 9223372036854\] \(ms\), got 1000000000000000000000000000000$"),
+    (_rec(timestamp=10**300), r"^t:2: 'timestamp' must be an integer in \[0, 9223372036854\] \(ms\), got 1000000000000000000000000000000000000000\.\.\. \(301 characters\)$"),
+    (_rec(output_length=float("nan")), r"^t:2: 'output_length' must be an integer in \[0, 1000000000\], got nan$"),
+    (_rec(output_length=float("inf")), r"^t:2: 'output_length' must be an integer in \[0, 1000000000\], got inf$"),
+    ('{"timestamp": 1' + "0" * 5000 + ', "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}',
+     r"^t:2: not a trace record: an integer of more than 4300 digits$"),
+])
+def test_absurd_figures_in_a_record_name_their_line(line, match):
+    with pytest.raises(TraceError, match=match):
+        list(parse_lines([_rec(timestamp=5), line], "t"))
+
+
+@pytest.mark.parametrize("record, match", [
+    ({"arrival_us": 2**63, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
+     r"^t:2: 'arrival_us' must be an integer in \[0, 9223372036854775\] \(us\)"),
+    ({"arrival_us": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0], "block_tokens": 10**30},
+     r"^t:2: 'block_tokens' must be an integer in \[1, 1000000000\]"),
+])
+def test_absurd_figures_in_a_kvsim_record_name_their_line(record, match):
+    first = json.dumps({"arrival_us": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]})
+    with pytest.raises(TraceError, match=match):
+        list(parse_lines([first, json.dumps(record)], "t"))
+
+
+def test_the_largest_figures_a_record_may_hold_still_replay(tmp_path, capsys):
+    # The bounds are far beyond a deployment, and what they allow runs: the latest arrival
+    # (int64 ns) stretched a million-fold, an output of a billion tokens (more than the
+    # model's context: refused at arrival, as vLLM refuses it).
+    from kvsim.cli import main
+    t = tmp_path / "t.jsonl"
+    t.write_text(_rec(timestamp=0) + "\n" + _rec(timestamp=(2**63 - 1) // 10**6) + "\n"
+                 + _rec(timestamp=(2**63 - 1) // 10**6, output_length=10**9) + "\n")
+    assert main(["trace", "replay", str(t), "--tier", "none", "--time-scale", "1000000", "--json"]) == 0
+    tier = json.loads(capsys.readouterr().out)["tiers"][0]
+    assert (tier["requests"], tier["rejected"]) == (2, 1)
+    assert tier["makespan_s"] >= (2**63 - 1) * 10**6 / 1e9 * 0.99
+
+
+@pytest.mark.parametrize("field, value", [("output_length", 10**30), ("timestamp", 10**30), ("input_length", 2**62)])
+def test_an_absurd_trace_on_the_command_line_is_one_line(tmp_path, capsys, field, value):
+    from kvsim.cli import main
+    t = tmp_path / "t.jsonl"
+    t.write_text(_rec() + "\n" + _rec(**{field: value}) + "\n")
+    for argv in (["trace", "replay", str(t)], ["trace", "hitrate", str(t), "--capacity", "8GiB"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"kvsim: error: {t}:2: '{field}' must be an integer in [")
+        assert err.count("\n") == 1
 
 
 def test_a_bad_phase_names_its_line():
