@@ -1,4 +1,4 @@
-"""The native IO core, built with the package (build_native.py); the rest is pyproject.toml."""
+"""The native engine's C, built with the package (build_native.py); the rest is pyproject.toml."""
 
 from setuptools import setup
 

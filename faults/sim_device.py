@@ -125,8 +125,11 @@ class SimDevice:
     def host_view(self, layout: Any) -> None:
         return None  # copies are the test's to complete: they go through staging
 
-    def native_copy(self, *args: Any, **kwargs: Any) -> None:
-        return None  # the test completes copies: none is made inside a native call
+    def copy_plan(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the test completes copies: an engine makes each through copy_to_*
+
+    def event_handle(self, event: Any) -> None:
+        return None  # a SimEvent is waited on in Python
 
     # -- the test's controls ----------------------------------------------------
 

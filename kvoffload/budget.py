@@ -14,19 +14,20 @@ import stat
 from collections.abc import Sequence
 
 from kvoffload.os_calls import OsCalls
-from kvoffload.persist import INDEX_SUFFIX, RECORDS_OFFSET
+from kvoffload.persist import IDENT_BYTES, INDEX_SUFFIX, RECORDS_OFFSET
 from kvoffload.persist import RECORD_BYTES as INDEX_RECORD_BYTES
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, check_space, slot_bytes_for
+from kvoffload.slot_records import record_bytes
 
-# Host memory per slot once every slot holds a store (tracemalloc, CPython 3.11; a
-# test keeps them at least what is measured): the list entry plus the seal's record,
-# a (nonce, tag) tuple for AES-GCM, an int for xxh3, True for validity only.
-RECORD_BYTES = {"aes-gcm": 144, "xxh3": 48, "off": 8}
+# Host memory per slot for its record (slot_records.Records: arrays made whole at init; a
+# test keeps the figures at least what tracemalloc measures): valid, and AES-GCM's nonce and
+# tag, or xxh3's digest.
+RECORD_BYTES = {seal: record_bytes(seal) for seal in ("aes-gcm", "xxh3", "off")}
 # Beside each record, the job of the latest store launched to the slot (Run.latest_store).
 LATEST_STORE_BYTES = 8
-# A persistent pool's record also holds the slot's identity (a 57-byte bytes object, one
-# more tuple field), beside its generation and LRU sequence (8 B each).
-PERSIST_RECORD_BYTES = 112
+# A persistent pool's record also holds the slot's identity, beside its generation and
+# LRU sequence (8 B each).
+PERSIST_RECORD_BYTES = IDENT_BYTES + 16
 
 
 def slot_state_bytes(seal: str, persist: bool = False) -> int:

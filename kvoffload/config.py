@@ -125,7 +125,7 @@ _CHOICES = {"on": True, "true": True, "1": True, "off": False, "false": False, "
 
 
 def parse_choice(value: Any, name: str) -> Optional[bool]:
-    """``native_io`` as given: a bool, None (auto), or on/off/auto (the IO path, native_io.py)."""
+    """``native_io`` as given: a bool, None (auto), or on/off/auto (the IO engine, engine.py)."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _CHOICES:
@@ -198,8 +198,8 @@ class OffloadConfig:
     encrypt: bool = True  # AES-GCM per slot: no prompt readable from the disk
     checksums: bool = True  # xxh3 per slot when encrypt is off
     io_threads: Optional[int] = None  # per lane; None: the backend's default
-    # Most bytes one IO thread moves per unit; its staging is this (loads: twice). None: the
-    # backend's default (DEFAULT_IO_UNIT_BYTES, disk_backend.py says why that size).
+    # Most bytes one IO worker moves per unit; its staging is this (loads: twice). None: the
+    # backend's default (disk_backend.default_io_unit_bytes, which says why that size).
     io_unit_bytes: Optional[int] = None
     named_file: bool = False  # skip O_TMPFILE, use the named (and unlinked) file
     # The IO path: True/"on" the native core (refused at start-up where it cannot run),

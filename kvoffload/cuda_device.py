@@ -2,7 +2,8 @@
 
 One stream per IO thread, one batched driver copy (``cuda_driver.Driver``) per unit,
 events made and recorded through the driver with the GIL held (``DriverEvent``), and
-device staging rows for layouts made of small pieces.
+device staging rows for layouts made of small pieces. ``copy_plan`` hands the native
+engine the same copy as plain descriptors and driver function addresses.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvoffload import native_io
 from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
 from kvoffload.cuda_gather import FusedPieces, load_fused
-from kvoffload.device import BlockLayout, DeviceEvent, copy_rows, piece_descriptors
+from kvoffload.device import BlockLayout, CopyPlan, DeviceEvent, copy_rows, piece_descriptors
 
 # Mean bytes per (tensor, block) piece under which a copy goes through a device
 # staging buffer (one DMA descriptor per row, then a gather or scatter between those
@@ -135,18 +135,25 @@ class CudaDevice:
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         return None  # device memory: the file IO reaches it only through pinned staging
 
-    def native_copy(self, stream, layout, block_ids, host, rows, to_host: bool, wait_event=None,
-                    event=None) -> Optional["NativeCopy"]:
-        """``Device.native_copy``: one batched driver copy, launched (a store's also waited for)
-        inside the unit's GIL-free call; None where the copy needs torch (device staging rows
-        and their kernels)."""
-        if self._staged(stream, layout, len(block_ids), to_host):
+    def copy_plan(self, stream, layout, to_host: bool, events) -> Optional[CopyPlan]:
+        """``Device.copy_plan``: the batched driver copy of ``copy_to_*``, as descriptors the
+        native engine's worker launches itself; None where the copy needs torch (device
+        staging rows and their kernels)."""
+        if getattr(stream, "stage", None) is not None and self.stages(layout, to_host):
             return None
-        if to_host and wait_event is not None:
-            self._driver.stream_wait(stream, wait_event)
-        dsts, srcs, sizes = piece_descriptors(layout, block_ids, host, rows, to_host)
-        return NativeCopy(self._driver, dsts, srcs, sizes, self._attr_store if to_host else self._attr_load, stream,
-                          event if event is not None else self.new_event(), wait=to_host)
+        fn = self._driver.addresses
+        attr = self._attr_store if to_host else self._attr_load
+        return CopyPlan("cuda", *layout.pointer_arrays,
+                        functions={"batch": fn["cuMemcpyBatchAsync"], "record": fn["cuEventRecord"],
+                                   "sync": fn["cuEventSynchronize"], "stream_wait": fn["cuStreamWaitEvent"]},
+                        attrs=ctypes.addressof(attr), stream=stream.cuda_stream,
+                        events=tuple(e.handle for e in events), keep=(attr, stream, *events))
+
+    def event_handle(self, event: Any) -> Optional[int]:
+        if isinstance(event, DriverEvent):
+            return event.handle
+        handle = getattr(event, "cuda_event", None)  # a torch.cuda.Event (0 until recorded)
+        return None if handle is None else int(handle)
 
     def _staged(self, stream, layout: BlockLayout, n: int, to_host: bool) -> bool:
         stage = getattr(stream, "stage", None)
@@ -189,23 +196,3 @@ class CudaDevice:
         ev = event if event is not None else self.new_event()
         ev.record(stream)
         return ev
-
-
-class NativeCopy:
-    """A descriptor copy prepared by ``CudaDevice.native_copy``: ``c`` is the ``kvo_copy``
-    the native core launches (it points into the arrays held here), ``event`` its completion."""
-
-    def __init__(self, driver: Driver, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
-                 attr: MemcpyAttributes, stream: Any, event: DriverEvent, wait: bool) -> None:
-        self.event = event
-        self._kept = (dsts, srcs, sizes, attr, stream)  # what c points into lives as long as it
-        fn, core = driver.addresses, native_io.core()
-        ffi, c = core.ffi, core.ffi.new("kvo_copy *")
-        c.kind, c.count = core.lib.KVO_COPY_CUDA, len(sizes)
-        c.batch = ffi.cast("kvo_batch_fn", fn["cuMemcpyBatchAsync"])
-        c.record = ffi.cast("kvo_record_fn", fn["cuEventRecord"])
-        c.sync, c.wait = ffi.cast("kvo_wait_fn", fn["cuEventSynchronize"]), int(wait)
-        c.dsts, c.srcs, c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in (dsts, srcs, sizes))
-        c.attrs = ffi.cast("void *", ctypes.addressof(attr))
-        c.stream, c.event = ffi.cast("void *", stream.cuda_stream), ffi.cast("void *", event.handle)
-        self.c = c

@@ -11,9 +11,9 @@ microseconds: those (event record, query, a stream's wait) are made with
 ``ctypes.PYFUNCTYPE`` and keep it. ``cuMemcpyBatchAsync`` of a 16 MiB unit (512
 descriptors) takes 0.56-0.64 ms (median; H200, 8-16 threads,
 ``scripts/probe_batch_launch.py``), too long to hold the GIL for: from Python it
-gives it up, and where it can the backend launches it inside its unit's GIL-free call
-instead (``cuda_device.NativeCopy``, a ``kvo_copy`` of these functions' addresses). So does
-``DriverEvent.synchronize``, which really blocks.
+gives it up; the native engine's workers call it from C instead (``CudaDevice.copy_plan``
+hands them these functions' addresses). So does ``DriverEvent.synchronize``, which really
+blocks.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -231,20 +231,34 @@ class Device(Protocol):
         when the lanes should seal straight from and open straight into them; None: every
         block goes through ``copy_to_*`` and staging."""
 
-    def native_copy(self, stream: Any, layout: BlockLayout, block_ids: Sequence[int], host: torch.Tensor,
-                    rows: Sequence[int], to_host: bool, wait_event: Optional[DeviceEvent] = None,
-                    event: Any = None) -> Optional["PreparedCopy"]:
-        """``copy_to_host`` (``to_host``) or ``copy_to_device``'s copy, prepared for the native
-        core to make inside a unit's call, so the IO thread gives the GIL up once per unit (a
-        store's is also waited for there; ``wait_event`` is waited for first); None where this
-        device cannot (the lanes then call ``copy_to_*``). Only asked for on the native path."""
+    def copy_plan(self, stream: Any, layout: BlockLayout, to_host: bool, events: Sequence[Any]) -> Optional["CopyPlan"]:
+        """How a thread that holds no GIL (the native engine's worker, bound to ``stream``)
+        makes this device's copies in direction ``to_host``, recording ``events`` (from
+        ``new_event``, one per staging buffer): plain descriptors, or None where the copies
+        need Python (then the engine calls ``copy_to_*`` for each)."""
+
+    def event_handle(self, event: Any) -> Optional[int]:
+        """``event`` (a store's ``wait_event``) as a handle a ``cuda`` plan's stream can wait
+        on (0: never recorded, nothing to wait for); None where only Python can wait on it."""
 
 
-class PreparedCopy(Protocol):
-    """A device copy the native core makes (``native_copy``)."""
+@dataclass(frozen=True)
+class CopyPlan:
+    """A device's copies as plain descriptors (``Device.copy_plan``): a copy between blocks
+    ``ids`` and host rows moves, per cache tensor ``t`` and row ``j``, ``bpb[t]`` bytes
+    between ``base[t] + ids[j] * bpb[t]`` and the row's start plus ``offset[t]``."""
 
-    c: Any  # the kvo_copy (native/unit_io.h) the core makes: in a unit's call, or kvo_copy_gated
-    event: DeviceEvent  # done once the copy is
+    kind: str  # "memcpy": host memory on both sides; "cuda": the driver's batched copy
+    base: np.ndarray  # uint64 per tensor: address of block 0
+    bpb: np.ndarray  # uint64 per tensor: bytes per block
+    offset: np.ndarray  # uint64 per tensor: where its piece sits in a slot
+    # cuda only: the driver functions' addresses (batch: cuMemcpyBatchAsync at the 12.8 ABI,
+    # record, sync, stream_wait), this direction's CUmemcpyAttributes, the stream and events.
+    functions: dict[str, int] = field(default_factory=dict)
+    attrs: int = 0
+    stream: int = 0
+    events: tuple[int, ...] = ()
+    keep: tuple[Any, ...] = ()  # what the addresses point into, alive as long as the plan
 
 
 class DoneEvent:
@@ -291,28 +305,12 @@ class CpuDevice:
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:
         return None  # it stands in for a GPU: blocks go through staging, as there
 
-    def native_copy(self, stream, layout, block_ids, host, rows, to_host: bool, wait_event=None,
-                    event=None) -> Optional["HostCopy"]:
-        # The same descriptors as CUDA's batched copy; the core copies them with memcpy.
-        if wait_event is not None:
-            wait_event.synchronize()
-        return HostCopy(*piece_descriptors(layout, block_ids, host, rows, to_host))
+    def copy_plan(self, stream, layout, to_host: bool, events) -> Optional[CopyPlan]:
+        # The CUDA copy's descriptors, made with memcpy by the engine's worker.
+        return CopyPlan("memcpy", *layout.pointer_arrays)
 
-
-class HostCopy:
-    """A copy between host addresses for the native core (``KVO_COPY_MEMCPY``)."""
-
-    event = DONE
-
-    def __init__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
-        from kvoffload import native_io
-
-        core = native_io.core()
-        ffi = core.ffi
-        self.arrays = (dsts, srcs, sizes)  # the kvo_copy points into them
-        self.c = ffi.new("kvo_copy *")
-        self.c.kind, self.c.count = core.lib.KVO_COPY_MEMCPY, len(sizes)
-        self.c.dsts, self.c.srcs, self.c.sizes = (ffi.cast("uint64_t *", a.ctypes.data) for a in self.arrays)
+    def event_handle(self, event: Any) -> Optional[int]:
+        return None  # CPU events are Python's to wait on
 
 
 class HostDevice(CpuDevice):

@@ -2,10 +2,11 @@
 
 A drop-in for vLLM's ``simple_kv_offload`` ``DiskBackend`` (``init``,
 ``launch_copy``, ``shutdown``) plus the two error getters vLLM's worker lacks. Each
-disk path gets a store lane (``store_path.py``) and a load lane (``load_path.py``),
-each a queue served by ``io_threads`` threads, so loads never wait behind stores
-and several IOs are in flight per direction (vLLM 0.33 keeps one). What one
-``init`` creates lives in a ``run.Run``; this class is only the contract.
+disk path gets a store lane and a load lane, each a queue served by ``io_threads``
+workers of the IO engine (``engine.py``: native C workers, or the Python engine), so
+loads never wait behind stores and several IOs are in flight per direction (vLLM 0.33
+keeps one). What one ``init`` creates lives in a ``run.Run``; this class is only the
+contract.
 """
 
 from __future__ import annotations
@@ -26,20 +27,17 @@ import torch
 from kvoffload.budget import file_slots, slot_state_bytes
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
-from kvoffload.jobs import check_event_idx, check_job
-from kvoffload.load_path import LoadLane
-from kvoffload.metrics import IoMetrics
 from kvoffload.config import parse_choice
-from kvoffload.native_io import choose as choose_native
-from kvoffload.native_io import from_environment
-from kvoffload.native_io import gcm_key as native_gcm_key
-from kvoffload.native_io import wipe as wipe_native
+from kvoffload.engine import choose as choose_engine
+from kvoffload.engine import from_environment
+from kvoffload.jobs import check_event_idx, check_job
+from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
 from kvoffload.persist import IDENT_BYTES, Persist, Pool, Restored, check_keys, restorable
 from kvoffload.run import Run
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
+from kvoffload.slot_records import Records
 from kvoffload.slot_seal import make_seal
-from kvoffload.store_path import StoreLane
 
 logger = logging.getLogger("kvoffload")
 
@@ -48,17 +46,22 @@ logger = logging.getLogger("kvoffload")
 # the CPU they seal with. H200 (16 cores), 4 RAM-backed drives, 16 MiB units: 4 threads
 # per lane loaded at 13.2 GiB/s, 8 at 12.4 (scripts/probe_fast_storage.py).
 DEFAULT_IO_THREADS = 8
-# A unit is what one thread reads or writes before its one device copy. Each copy costs
-# a driver call and an event wait (a blocking one: a wake-up) whatever its size, so
-# small units cap the device copy: H200, 8 threads, 2 MiB llama blocks, device copy
-# alone 45-46 GiB/s with 16 MiB units, 15 with 2 MiB; four RAM-backed drives loaded
-# at 13.2 GiB/s with 16 MiB units and 6.0 with 2 MiB. In vLLM's worker each unit also
-# costs its thread one wait for the GIL behind the engine's thread: at 75% Python per
-# step, four RAM drives kept 0.78 (loads) / 0.83 (stores) of their bandwidth with 16 MiB
-# units and 0.93 / 0.94 with 32 MiB (bench --only engine, docs/performance.md). Staging
-# is 3 x io_threads x io_unit_bytes per disk path: set it lower where host memory is
-# scarcer than the engine's GIL.
-DEFAULT_IO_UNIT_BYTES = 32 << 20
+# A unit is what one worker reads or writes before its one device copy; its staging is
+# three units per worker (one per store worker, two per load worker) on every disk path.
+# The operators this backend is for chose disk because host DRAM is scarce: by default a
+# backend (one rank) takes at most DEFAULT_STAGING_BYTES of pinned staging, in units of at
+# most MAX_DEFAULT_IO_UNIT_BYTES. Small units cost the native engine one driver call and
+# one event wait each, and no GIL; the Python engine pays a wait for the GIL per unit
+# beside a busy engine thread as well (docs/performance.md has both, measured).
+DEFAULT_STAGING_BYTES = 256 << 20
+MAX_DEFAULT_IO_UNIT_BYTES = 8 << 20
+
+
+def default_io_unit_bytes(num_paths: int, threads: int) -> int:
+    """The default ``io_unit_bytes``: the largest unit, up to ``MAX_DEFAULT_IO_UNIT_BYTES``
+    (and at least 1 MiB), whose staging over ``num_paths`` paths of ``threads`` workers per
+    lane fits ``DEFAULT_STAGING_BYTES``."""
+    return max(1 << 20, min(MAX_DEFAULT_IO_UNIT_BYTES, DEFAULT_STAGING_BYTES // (3 * threads * num_paths)))
 
 
 def default_io_threads(num_paths: int, num_buffer_slots: int = 1, cores: Optional[int] = None) -> int:
@@ -75,7 +78,7 @@ DEFAULT_START_TIMEOUT_S = 60.0
 
 # What the backend calls on a device (device.Device); a device_impl lacking one is refused at init.
 _DEVICE_METHODS = ("bind_thread", "new_event", "pin", "unpin", "copy_to_host", "copy_to_device", "host_view",
-                   "native_copy")
+                   "copy_plan", "event_handle")
 
 
 class LeakedFdWarning(RuntimeWarning):
@@ -112,7 +115,7 @@ class DiskBackend:
         checksums: bool = True,
         report_load_errors: bool = False,
         io_threads: Optional[int] = None,
-        io_unit_bytes: int = DEFAULT_IO_UNIT_BYTES,
+        io_unit_bytes: Optional[int] = None,
         named_file: bool = False,
         join_timeout: float = DEFAULT_JOIN_TIMEOUT_S,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
@@ -136,11 +139,13 @@ class DiskBackend:
           (``UnreportedLoadError``) rather than end quietly on stale device blocks.
         - ``io_threads``: IO threads (and staging buffers) per lane; by default up to 8,
           fewer with several disk paths (``default_io_threads``), at least ``num_buffer_slots``.
-        - ``native_io``: each IO unit in one GIL-free call (the native core built with the
-          package, ``native_io.py``); None or ``"auto"`` (default): ``$KVOFFLOAD_NATIVE_IO``
-          if set (``on``, ``off``, ``auto``), else the core where it was built and the seal
-          is AES-GCM or none, else the Python path; True or ``"on"``: required (init fails
-          saying why not); False or ``"off"``: the Python path. Decided here, once.
+        - ``native_io``: the IO engine (``engine.py``): the native engine (C workers that
+          never take the GIL for a unit, built with the package) or the Python engine;
+          None or ``"auto"`` (default): ``$KVOFFLOAD_NATIVE_IO``
+          if set (``on``, ``off``, ``auto``), else the native engine where it was built and
+          the seal is AES-GCM or none, else the Python engine; True or ``"on"``: the native
+          engine, required (init fails saying why not); False or ``"off"``: the Python
+          engine. Decided here, once.
         - ``prefill``: write each slot file once with zeros before ``init`` returns, so a
           fresh file's first stores run at the rewrite rate (start-up pays one full write
           of the files; docs/config.md).
@@ -157,7 +162,8 @@ class DiskBackend:
         _positive_int("num_buffer_slots", num_buffer_slots)
         threads = _positive_int("io_threads", io_threads if io_threads is not None
                                 else default_io_threads(len(paths), num_buffer_slots))
-        _positive_int("io_unit_bytes", io_unit_bytes)
+        io_unit_bytes = _positive_int("io_unit_bytes", io_unit_bytes if io_unit_bytes is not None
+                                      else default_io_unit_bytes(len(paths), threads))
         _positive_int("num_disk_slots", num_disk_slots)
         _positive_int("total_block_bytes", total_block_bytes)
         for name, flag in (("use_page_cache", use_page_cache), ("encrypt", encrypt), ("checksums", checksums),
@@ -205,11 +211,12 @@ class DiskBackend:
         budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
                      use_page_cache, num_disk_slots * slot_state_bytes(seal.name, persist is not None) + staging,
                      persist=persist is not None)
-        native, io_path = choose_native(seal, native_io)  # the one choice, kept on the run
+        make_engine, io_path = choose_engine(seal.name, native_io)  # the one choice
         dev = device_impl if device_impl is not None else make_device(device)
         run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)),
-                  native=native)
+                  io_unit_bytes)
         run.io_path_detail = io_path
+        run.streams = {True: store_stream, False: load_stream}
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
@@ -225,16 +232,12 @@ class DiskBackend:
                 run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
                                                  max_slot_bytes=budget // num_disk_slots, prefill=prefill))
-            for f in run.files:
-                rows = unit_rows(io_unit_bytes, f.slot_bytes, f.num_slots, layout.num_blocks)
-                run.lanes[True].append(StoreLane(run, f, store_stream, rows))
-                run.lanes[False].append(LoadLane(run, f, load_stream, rows))
-            run.start_threads(start_timeout)
+            run.start(make_engine(run), start_timeout)
             run.metrics.info = {
                 "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
                 "staging_bytes": self._staging_bytes(run), "io_threads": threads, "paths": len(paths),
                 "seal": run.seal.name, "io": "page_cache" if use_page_cache else "o_direct",
-                "io_path": "native" if run.native is not None else "python",
+                "io_path": run.engine.name,
             }
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
@@ -297,28 +300,24 @@ class DiskBackend:
         the pool's key, each valid record its slot's (nonce, tag, identity)."""
         pool = run.pool
         run.seal.persist(pool.keys.slot, pool.fingerprint, IDENT_BYTES)
-        if run.native is not None and run.gcm_key:  # the core's expanded key: the pool's now
-            old, run.gcm_key = run.gcm_key, native_gcm_key(run.native, run.seal.key)
-            wipe_native(run.native, old)
         run.generation = np.zeros(run.num_slots, np.uint64)
         run.seq = np.zeros(run.num_slots, np.uint64)
+        run.records = Records.empty(run.num_slots, run.seal.name, IDENT_BYTES)
         n = len(pool.records)
         for i, fr in enumerate(pool.records):
             local = np.flatnonzero(fr.valid)
             slots = local * n + i
             raw = fr.raw[local]
             run.generation[slots], run.seq[slots] = raw["gen"], raw["seq"]
-            ident = np.zeros((len(raw), IDENT_BYTES), np.uint8)
-            ident[:, :8] = np.ascontiguousarray(raw["gen"]).view(np.uint8).reshape(-1, 8)
-            ident[:, 8] = raw["key_len"]
-            ident[:, 9:] = raw["key"]
-            nonces = ((raw["nonce_hi"].astype(object) << 64) | raw["nonce_lo"].astype(object)).tolist()
-            tags, idents = np.ascontiguousarray(raw["tag"]).tobytes(), ident.tobytes()
-            records = zip(nonces, [tags[j:j + 16] for j in range(0, len(tags), 16)],
-                          [idents[j:j + IDENT_BYTES] for j in range(0, len(idents), IDENT_BYTES)])
-            out = run.records
-            for s, rec in zip(slots.tolist(), records):
-                out[s] = rec
+            got = Records.empty(len(slots), run.seal.name, IDENT_BYTES)
+            got.valid[:] = True
+            got.nonce[:, :8] = np.ascontiguousarray(raw["nonce_lo"]).astype("<u8").view(np.uint8).reshape(-1, 8)
+            got.nonce[:, 8:] = np.ascontiguousarray(raw["nonce_hi"]).astype("<u4").view(np.uint8).reshape(-1, 4)
+            got.tag[:] = raw["tag"]
+            got.ident[:, :8] = np.ascontiguousarray(raw["gen"]).astype("<u8").view(np.uint8).reshape(-1, 8)
+            got.ident[:, 8] = raw["key_len"]
+            got.ident[:, 9:] = raw["key"]
+            run.records.put(slots, got)
         run.restored = restorable(pool.records)
         pool.records = []  # the raw index: 128 B a slot, not needed once restored
 
@@ -350,7 +349,7 @@ class DiskBackend:
             # open until its last thread ends, then closes itself.
             fds = [f.fd for f in run.files]
             msg = (
-                f"{len(alive)} kvoffload IO thread(s) still running {self._join_timeout} s after "
+                f"{len(alive)} kvoffload IO worker(s) still running {self._join_timeout} s after "
                 f"shutdown; keeping fd(s) {fds} of the (unlinked) slot file(s) until they end"
             )
             logger.warning(msg)
@@ -396,11 +395,11 @@ class DiskBackend:
         with run.lock:
             moved = {"bytes_written": run.bytes_written, "bytes_read": run.bytes_read, "seal": run.seal.name,
                      "staging_bytes": self._staging_bytes(run),
-                     "io_path": "native" if run.native is not None else "python",
+                     "io_path": run.engine.name,
                      "io_path_detail": run.io_path_detail,
-                     "direct_io": {lane: all(x.direct for x in run.lanes[is_store])
+                     "direct_io": {lane: all(run.direct_lane(f, is_store) for f in run.files)
                                    for lane, is_store in (("store", True), ("load", False))}}
-        return {**moved, "stage_seconds": run.stage_seconds()}
+        return {**moved, "stage_seconds": run.engine.stage_seconds()}
 
     def take_metrics(self) -> Optional[dict[str, Any]]:
         """What changed since the last call, as vLLM's stats payload (``kvoffload.metrics``:
@@ -410,9 +409,8 @@ class DiskBackend:
         if run is None or not run.metrics.enabled:
             return None
         busy = {d: sum(sec for stage, sec in stages.items() if stage != "wait")
-                for d, stages in run.stage_seconds().items()}
-        queued = {(lane.direction, lane.path): lane.queue.qsize() for lanes in run.lanes.values() for lane in lanes}
-        return run.metrics.take(queued, busy)
+                for d, stages in run.engine.stage_seconds().items()}
+        return run.metrics.take(run.engine.queued(), busy)
 
     @staticmethod
     def _staging_bytes(run: Run) -> int:
@@ -427,8 +425,8 @@ class DiskBackend:
 
 def _retire(run: Run) -> None:
     """Finalizer of a backend dropped without shutdown: stop without waiting; the last
-    IO thread to end closes the files."""
-    run.signal_stop()
+    IO worker to end closes the files."""
+    run.begin_close()
     run.abandon()
 
 

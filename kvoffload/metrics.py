@@ -18,6 +18,8 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 STORE, LOAD = "store", "load"
 DIRECTIONS = (STORE, LOAD)  # index 0: stores, 1: loads
 # Why a block failed: its pwritev/preadv raised, moved fewer bytes, its seal check failed,
@@ -104,6 +106,19 @@ class Histogram:
         i = bisect.bisect_left(self.bounds, value)  # bucket i holds (bounds[i-1], bounds[i]]
         self.counts[i] += 1
         self.sums[i] += value
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """``observe`` each nonzero value (a 0 is a unit that made no file call)."""
+        v = np.asarray(values, float)
+        v = v[v != 0]
+        if not len(v):
+            return
+        idx = np.searchsorted(self.bounds, v, side="left")  # observe's buckets
+        counts = np.bincount(idx, minlength=len(self.counts))
+        sums = np.bincount(idx, v, minlength=len(self.counts))
+        for i in np.flatnonzero(counts).tolist():
+            self.counts[i] += int(counts[i])
+            self.sums[i] += float(sums[i])
 
     def replay(self, counts: Sequence[int], sums: Sequence[float]) -> list[float]:
         """Observations that give ``counts`` per bucket with ``sums`` per bucket: each bucket's
@@ -206,16 +221,19 @@ class IoMetrics:
 
     # -- counting (IO threads and launch_copy's caller) -----------------------------
 
-    def unit_done(self, is_store: bool, path: int, ok_blocks: int, slot_bytes: int, io_seconds: float) -> None:
-        """A unit ended: ``ok_blocks`` moved whole; ``io_seconds`` in its file IO (0: none)."""
+    def units_done(self, is_store: bool, moved: Sequence[int], slot_bytes: Sequence[int],
+                   io_seconds: Sequence[float]) -> None:
+        """Units ended: ``moved[path]`` blocks moved whole per disk path (of ``slot_bytes[path]``
+        each), and each unit's seconds in its file IO (0: it made none)."""
         if not self.enabled:
             return
         d = 0 if is_store else 1
         with self.lock:
-            self.blocks[d][path] += ok_blocks
-            self.bytes[d][path] += ok_blocks * slot_bytes
-            if io_seconds:
-                self.unit_io_seconds[d].observe(io_seconds)
+            for path, n in enumerate(moved):
+                if n:
+                    self.blocks[d][path] += int(n)
+                    self.bytes[d][path] += int(n) * int(slot_bytes[path])
+            self.unit_io_seconds[d].observe_many(io_seconds)
 
     def failed(self, is_store: bool, cause: str, n: int) -> None:
         if not self.enabled or not n:
@@ -229,15 +247,14 @@ class IoMetrics:
         with self.lock:
             self.job_seconds[0 if is_store else 1].observe(seconds)
 
-    def queued(self, is_store: bool, lanes: Sequence[Any], queues: Sequence[Any]) -> None:
-        """A job's units (one entry of ``queues`` each: its lane's queue) are about to join
-        ``lanes``: keeps each lane's peak depth for the summary."""
+    def queued(self, is_store: bool, depths: Mapping[int, int]) -> None:
+        """A job's units are about to join their lanes, which then hold ``depths[path]``
+        units: keeps each lane's peak depth for the summary."""
         if not self.enabled:
             return
         peak = self.peak_queued[0 if is_store else 1]
-        depths = [(lane.path, lane.queue.qsize() + queues.count(lane.queue)) for lane in lanes]
         with self.lock:
-            for path, n in depths:
+            for path, n in depths.items():
                 if n > peak[path]:
                     peak[path] = n
 

@@ -227,11 +227,6 @@ def record_checksums(words: np.ndarray, slots: np.ndarray, mult: np.ndarray) -> 
     return h
 
 
-def ident_bytes(generation: int, key: bytes) -> bytes:
-    """A slot's identity as its associated data carries it: generation, key length, key."""
-    return generation.to_bytes(8, "little") + bytes([len(key)]) + key.ljust(MAX_KEY_BYTES, b"\0")
-
-
 def check_keys(keys: Any, n: int) -> list[bytes]:
     """``launch_copy``'s ``keys`` for a persistent store of ``n`` blocks: one non-empty
     bytes of at most ``MAX_KEY_BYTES`` per block."""
@@ -475,17 +470,19 @@ def _check(buf: np.ndarray, num_slots: int, keys: PoolKeys) -> FileRecords:
     return FileRecords(raw, valid, ~valid & ~empty)
 
 
-def pack_records(local: np.ndarray, gens: np.ndarray, seqs: np.ndarray, nonces: Sequence[int], tags: Sequence[bytes],
+def pack_records(local: np.ndarray, gens: np.ndarray, seqs: np.ndarray, nonces: np.ndarray, tags: np.ndarray,
                  keys_: Sequence[bytes], pool: PoolKeys) -> np.ndarray:
-    """Records for slots ``local`` of one file (an all-zero row where ``gens`` is 0: empty)."""
+    """Records for slots ``local`` of one file (an all-zero row where ``gens`` is 0: empty);
+    ``nonces`` and ``tags`` one row of 12 and 16 bytes each."""
     n = len(local)
     rec = np.zeros(n, RECORD_DTYPE)
     rec["gen"], rec["seq"] = gens, seqs
-    rec["nonce_lo"] = [x & (2**64 - 1) for x in nonces]
-    rec["nonce_hi"] = [x >> 64 for x in nonces]
-    rec["key_len"] = [len(k) for k in keys_]
     if n:
-        rec["tag"] = np.frombuffer(b"".join(tags), np.uint8).reshape(n, 16)
+        nonce = np.ascontiguousarray(nonces, np.uint8).reshape(n, 12)
+        rec["nonce_lo"] = np.ascontiguousarray(nonce[:, :8]).view("<u8").ravel()
+        rec["nonce_hi"] = np.ascontiguousarray(nonce[:, 8:]).view("<u4").ravel()
+        rec["tag"] = np.asarray(tags, np.uint8).reshape(n, 16)
+        rec["key_len"] = [len(k) for k in keys_]
         rec["key"] = np.frombuffer(b"".join(k.ljust(MAX_KEY_BYTES, b"\0") for k in keys_), np.uint8).reshape(n, -1)
     words = rec.view("<u8").reshape(n, RECORD_BYTES // 8)
     rec["checksum"] = record_checksums(words, np.asarray(local, np.uint64), pool.mult)
@@ -733,16 +730,16 @@ class Pool:
 
     # -- while serving ---------------------------------------------------------------
 
-    def write(self, file_index: int, local: np.ndarray, gens: np.ndarray, seqs: np.ndarray,
-              nonces: Sequence[int], tags: Sequence[bytes], keys: Sequence[bytes]) -> list[int]:
+    def write(self, file_index: int, local: np.ndarray, gens: np.ndarray, seqs: np.ndarray, nonces: np.ndarray,
+              tags: np.ndarray, keys: Sequence[bytes]) -> list[int]:
         """Write the records of slots ``local`` (of file ``file_index``; gen 0: empty) in
         runs of consecutive slots; returns the local slots whose write failed (logged by
         the caller: they keep their old record, whose block then fails its tag)."""
         ix = self.indexes[file_index]
         order = np.argsort(local, kind="stable")
         local = np.asarray(local, np.int64)[order]
-        rec = pack_records(local, np.asarray(gens)[order], np.asarray(seqs)[order], [nonces[j] for j in order],
-                           [tags[j] for j in order], [keys[j] for j in order], self.keys)
+        rec = pack_records(local, np.asarray(gens)[order], np.asarray(seqs)[order], np.asarray(nonces)[order],
+                           np.asarray(tags)[order], [keys[j] for j in order], self.keys)
         mv = memoryview(rec.view(np.uint8))
         failed: list[int] = []
         j = 0

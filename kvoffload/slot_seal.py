@@ -45,9 +45,10 @@ class SlotSeal(Protocol):
     disk_form_is_payload: bool
     aad_bytes: int  # what each slot is authenticated to, in bytes (0: nothing)
 
-    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
-        """Each slot's associated data, one row of ``aad_bytes`` per slot (the native core's form);
-        ``idents``: each slot's identity where the seal is persistent (``AesGcmSeal.persist``)."""
+    def aad_array(self, slots: Sequence[int], idents: Optional[np.ndarray] = None) -> np.ndarray:
+        """Each slot's associated data, one row of ``aad_bytes`` per slot (the native engine's
+        form); ``idents``: each slot's identity, one row each, where the seal is persistent
+        (``AesGcmSeal.persist``)."""
 
     def seal(self, slot: int, row: memoryview, payload_bytes: int, src: Optional[memoryview] = None,
              ident: bytes = b"") -> Any:
@@ -78,7 +79,7 @@ class ChecksumSeal:
     disk_form_is_payload = True
     aad_bytes = 0
 
-    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
+    def aad_array(self, slots: Sequence[int], idents: Optional[np.ndarray] = None) -> np.ndarray:
         return np.zeros((len(slots), 0), np.uint8)
 
     def digest(self, payload: memoryview) -> Any:
@@ -182,15 +183,25 @@ class AesGcmSeal:
         """What slot ``slot`` holding ``ident`` is authenticated to."""
         return self._prefix + _aad(slot) + ident
 
-    def aad_array(self, slots: Sequence[int], idents: Optional[Sequence[bytes]] = None) -> np.ndarray:
+    def aad_array(self, slots: Sequence[int], idents: Optional[np.ndarray] = None) -> np.ndarray:
         """``aad`` of each slot (a test holds the two forms equal)."""
-        index = np.asarray(slots, "<u8").view(np.uint8).reshape(-1, 8)
+        index = np.ascontiguousarray(np.asarray(slots, "<u8")).view(np.uint8).reshape(-1, 8)
         if not self.persistent:
             return index
         out = np.empty((len(index), self.aad_bytes), np.uint8)
         out[:, : len(self._prefix)] = np.frombuffer(self._prefix, np.uint8)
         out[:, len(self._prefix) : len(self._prefix) + 8] = index
-        out[:, len(self._prefix) + 8 :] = np.frombuffer(b"".join(idents), np.uint8).reshape(len(index), -1)
+        out[:, len(self._prefix) + 8 :] = idents
+        return out
+
+    def nonce_rows(self, n: int) -> np.ndarray:
+        """``n`` fresh nonces (one reservation), one row of 12 bytes each (``_nonce``'s form)."""
+        first = self.reserve_nonces(n)
+        lo = np.uint64(first & (COUNTER_SPACE - 1)) + np.arange(n, dtype=np.uint64)
+        hi = np.full(n, first >> 64, np.uint64) + (lo < np.uint64(first & (COUNTER_SPACE - 1)))  # the carry
+        out = np.empty((n, 12), np.uint8)
+        out[:, :8] = lo.astype("<u8").view(np.uint8).reshape(-1, 8)
+        out[:, 8:] = hi.astype("<u4").view(np.uint8).reshape(-1, 4)
         return out
 
     @staticmethod

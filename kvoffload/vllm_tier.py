@@ -54,17 +54,6 @@ TIER_TYPE = "KvoffloadTier"
 LOCALITIES = ("LOCAL", "REMOTE")
 # Keys of a secondary_tiers entry that vLLM's factory consumes itself.
 _FACTORY_KEYS = ("type", "module_path", "backpressure")
-# The tier's IO unit, as the GPU backend's: 32 MiB. Inside vLLM's worker an IO thread waits
-# for the GIL once per unit while the engine's thread holds it, so fewer, larger units keep
-# the bandwidth there. H200, four RAM drives, the engine bench at 75% Python per step
-# (`--only engine`): 4 / 8 / 16 MiB units kept 0.56 / 0.69 / 0.97 of the loads' bandwidth
-# and 0.47 / 0.75 / 0.95 of the stores' (a rate counted in whole jobs, which rounded it);
-# counted in bytes, 16 MiB kept 0.78-0.89 of the loads' in two runs, and 32 MiB more
-# (docs/performance.md). With nothing else in the process 4 MiB measured a little faster (a
-# thread's staging stays in the CPU caches); against vLLM's fs tier both met its targets
-# (docs/vllm_tiering.md). Staging is three units per IO thread: set io_unit_bytes lower
-# where host memory is scarcer than the engine's GIL.
-TIER_IO_UNIT_BYTES = 32 * 2**20
 _KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
          "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io", "prefill_file",
          *PERSIST_KEYS)
@@ -89,7 +78,7 @@ class TierConfig:
     encrypt: bool = True
     checksums: bool = True
     io_threads: Optional[int] = None  # per lane; None: the backend's default
-    io_unit_bytes: int = TIER_IO_UNIT_BYTES
+    io_unit_bytes: Optional[int] = None  # None: the backend's (disk_backend.default_io_unit_bytes)
     named_file: bool = False
     locality: Optional[str] = None
     # File IO straight between the slot file and the primary's rows where O_DIRECT allows. Off:
@@ -112,6 +101,8 @@ class TierConfig:
             raise ValueError(f"{TIER_TYPE}: disk_paths={list(self.disk_paths)!r} names a path twice")
         for key in ("disk_capacity_bytes", "io_unit_bytes"):
             n = getattr(self, key)
+            if key == "io_unit_bytes" and n is None:
+                continue
             if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_SIZE:
                 raise ValueError(f"{key}={n!r}: must be > 0 bytes and at most 2**63 - 1 (an int; "
                                  "from_tier_config parses sizes such as '1TiB')")

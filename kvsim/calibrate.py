@@ -334,7 +334,7 @@ class Case:
     paths: int
     drives: int
     threads: Optional[int]  # per lane; None: kvoffload's rule from the host's cores
-    unit_bytes: int
+    unit_bytes: Optional[int]  # None: kvoffload's default
     role: str  # which factor it fits ("read", "write", ...) or "predicted"
 
 
@@ -371,7 +371,7 @@ def bench_cases(bench: dict) -> list[Case]:
         out.append(Case(name, c["bytes"] / (c["gib_s_best"] * GiB), block, c["bytes"] // block,
                         max(1, cfg["job_bytes"] // block), op in ("store", "rewrite"), op == "store",
                         mode == "pagecache", mode == "pagecache" and op == "warm-load", d["seal"], d.get("paths", 1),
-                        drives, d.get("io_threads", threads), d.get("io_unit_bytes", unit or KVOFFLOAD.unit_bytes),
+                        drives, d.get("io_threads", threads), d.get("io_unit_bytes", unit),
                         _role(op, mode, layout, layouts, c["group"])))
     if not out:
         raise BenchError("the bench has no kvoffload store or load case (group 'disk')")
@@ -456,7 +456,7 @@ def calibrate(bench: dict, name: str, source: str, base: Optional[IoProfile] = N
     threads, unit, where = _pipeline(bench)
     notes = list(profile.notes)
     notes.append(f"bench pipeline (from {where}): {threads or 'default'} IO threads per lane, "
-                 f"{unit or KVOFFLOAD.unit_bytes:,}-byte units")
+                 + (f"{unit:,}-byte units" if unit else "kvoffload's default units"))
     for page_cache, field_name in ((False, "first_write"), (True, "first_write_page_cache")):
         cost = _first_write(cases, page_cache)
         if cost is not None:

@@ -22,13 +22,13 @@ from kvoffload.config import parse_size
 from kvsim.profile import SEALS
 
 MiB = 1 << 20
-# kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal).
+# kvoffload's DiskBackend defaults (kvoffload/disk_backend.py; a test keeps them equal):
+# IO threads per lane, and units of at most 8 MiB within 256 MiB of staging per rank (the
+# tier's the same).
 KVOFFLOAD_IO_THREADS = 8
-KVOFFLOAD_IO_UNIT_BYTES = 32 * MiB
+KVOFFLOAD_STAGING_BYTES = 256 * MiB
+KVOFFLOAD_MAX_UNIT_BYTES = 8 * MiB
 KVOFFLOAD_BUFFER_SLOTS = 2  # vLLM's disk_buffer_slots default, which the connector passes
-# kvoffload's vLLM tier (kvoffload/vllm_tier.py, TIER_IO_UNIT_BYTES): the same 32 MiB units
-# since they were measured in a busy engine. A test keeps it equal.
-KVOFFLOAD_TIER_IO_UNIT_BYTES = 32 * MiB
 KINDS = ("cpu", "disk", "vllm-disk")
 MAX_OPTION = 1024  # threads=, ios-per-thread=, paths=
 # Options each kind accepts; a flag that would do nothing is refused.
@@ -47,14 +47,14 @@ class Pipeline:
     # unit while the previous one's copy runs (two staging buffers), a store thread
     # copies, seals and writes one unit at a time. 0 (vLLM 0.33): a whole job on one
     # thread, block by block, its DMA and file IO overlapped through two staging slots.
-    unit_bytes: int
+    # None: kvoffload's default for the paths and threads (kvoffload_unit_bytes).
+    unit_bytes: Optional[int]
     seal: str  # per slot: aes-gcm, xxh3 or off
     paths: Optional[int]  # slot files, one per drive; None: one per drive of the profile
     page_cache: bool
 
 
-KVOFFLOAD = Pipeline(None, 1, KVOFFLOAD_IO_UNIT_BYTES, "aes-gcm", None, False)
-KVOFFLOAD_TIER = replace(KVOFFLOAD, unit_bytes=KVOFFLOAD_TIER_IO_UNIT_BYTES)  # the disk level of cpu:+disk:
+KVOFFLOAD = Pipeline(None, 1, None, "aes-gcm", None, False)
 # vLLM 0.33's simple_kv_offload DiskBackend: one store and one load thread, one IO
 # at a time, whole jobs, no checksum, one file.
 VLLM_033 = Pipeline(1, 1, 0, "off", 1, False)
@@ -64,6 +64,12 @@ def kvoffload_threads(cpus: int, paths: int) -> int:
     """kvoffload's IO threads per lane (``default_io_threads``): up to 8, fewer when
     several slot files share the host's cores."""
     return max(KVOFFLOAD_BUFFER_SLOTS, 2, min(KVOFFLOAD_IO_THREADS, cpus // paths))
+
+
+def kvoffload_unit_bytes(paths: int, threads: int) -> int:
+    """kvoffload's default IO unit (``default_io_unit_bytes``): the largest, up to 8 MiB and
+    at least 1 MiB, whose staging (three units per thread and path) fits 256 MiB."""
+    return max(MiB, min(KVOFFLOAD_MAX_UNIT_BYTES, KVOFFLOAD_STAGING_BYTES // (3 * threads * paths)))
 
 
 def parse_bytes(what: str, text: str) -> int:
@@ -118,7 +124,7 @@ def parse_tier(text: str) -> TierSpec:
         raise ValueError(f"bad tier {text!r}: the second level must be kvoffload's disk tier, "
                          f"disk:SIZE[:OPTION...] (got {second!r})")
     primary = _parse_level(text, first)
-    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second, KVOFFLOAD_TIER))
+    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second, KVOFFLOAD))
 
 
 def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvsim.profile import IoProfile, bytes_per_ns
-from kvsim.tiers import Pipeline, kvoffload_threads
+from kvsim.tiers import Pipeline, kvoffload_threads, kvoffload_unit_bytes
 
 
 class TransferModel:
@@ -42,7 +42,8 @@ class TransferModel:
         per_lane = pipe.threads if pipe.threads is not None else kvoffload_threads(p.cpus, self.paths)
         self.threads = per_lane * self.paths  # per direction: a lane of threads per slot file
         self._seal = block_bytes * p.seal_ns_per_byte(pipe.seal)
-        self.rows = max(1, pipe.unit_bytes // slot_bytes) if pipe.unit_bytes else 0
+        unit = pipe.unit_bytes if pipe.unit_bytes is not None else kvoffload_unit_bytes(self.paths, per_lane)
+        self.rows = max(1, unit // slot_bytes) if unit else 0
         # kvoffload's per-slot CPU was measured on its own code; vLLM's backend is not.
         self._cpu = p.slot_cpu_us * 1e3 if self.rows else 0.0
         first = p.first_write_page_cache if pipe.page_cache else p.first_write

@@ -3,7 +3,7 @@
 
     python scripts/bench_aes_gcm.py [--impl NAME|all] [--rounds N] [--sizes 2M,256K,64K]
 
-The core's functions come from the built extension ``kvoffload._native``, called as the
+The core's functions come from the built extension ``kvoffload.native_engine._core``, called as the
 backend calls them (cffi, API mode). Every case runs once per round, the rounds in
 rotating order (so drift and noise from other tenants spread over all cases alike);
 each sample is about --sample-s seconds of back-to-back calls on one buffer (short
@@ -48,12 +48,12 @@ def main() -> None:
     from cryptography.hazmat.backends.openssl import backend
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from kvoffload import native_io
+    from kvoffload import native_engine
 
-    core = native_io.core()
+    core = native_engine.core()
     if core is None:
-        sys.exit(f"the native IO core is unavailable: {native_io.why_unavailable()}")
-    ffi, lib, where = core.ffi, core.lib, "kvoffload._native"
+        sys.exit(f"the native IO core is unavailable: {native_engine.why_unavailable()}")
+    ffi, lib, where = core.ffi, core.lib, "kvoffload.native_engine._core"
     if not lib.kvo_gcm_supported():
         sys.exit("kvo_gcm_supported() is 0 on this CPU")
     best = ffi.string(lib.kvo_gcm_impl()).decode()

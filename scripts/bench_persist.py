@@ -119,8 +119,10 @@ def startup(a) -> tuple[float, float, int]:
         for s in range(0, n, chunk):  # a valid record in every slot, as a full pool's index holds
             local = np.arange(s, min(s + chunk, n))
             k = len(local)
-            rec = pack_records(local, np.ones(k, np.uint64), local.astype(np.uint64) + 1,
-                               [(1 << 64) | int(x) for x in local], [bytes(16)] * k,
+            nonces = np.zeros((k, 12), np.uint8)
+            nonces[:, :8] = local.astype("<u8").view(np.uint8).reshape(-1, 8)
+            rec = pack_records(local, np.ones(k, np.uint64), local.astype(np.uint64) + 1, nonces,
+                               np.zeros((k, 16), np.uint8),
                                [int(x).to_bytes(8, "little") * 4 for x in local], keys)
             os.pwrite(fd, rec.tobytes(), RECORDS_OFFSET + s * RECORD_BYTES)
         os.fsync(fd)

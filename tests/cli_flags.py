@@ -158,7 +158,12 @@ def arguments(parser: argparse.ArgumentParser, paths: Paths, good: dict[str, st.
         if h is not None:
             kinds.append(h.map(lambda t: (t, HUGE)))
         per_flag[flag] = st.one_of(kinds).map(lambda v, f=flag: [(f"{f}={v[0]}", v[1])])
-    chosen = st.lists(st.sampled_from(sorted(per_flag)), unique=True, max_size=6) if per_flag else st.just([])
+    # Flags of one mutually exclusive group are never drawn together: argparse refuses the
+    # pair whatever the values, so a list of good values holding both would not be good.
+    group_of = {max(a.option_strings, key=len): id(g) for g in parser._mutually_exclusive_groups
+                for a in g._group_actions if a.option_strings}
+    chosen = (st.lists(st.sampled_from(sorted(per_flag)), unique_by=lambda f: group_of.get(f, f), max_size=6)
+              if per_flag else st.just([]))
 
     @st.composite
     def draw(draw_: Callable) -> tuple[list[str], str]:

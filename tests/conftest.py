@@ -69,11 +69,11 @@ def native_core():
     except where ``KVOFFLOAD_REQUIRE_NATIVE=1`` (CI builds it: a missing core fails there)."""
     import os
 
-    from kvoffload import native_io
+    from kvoffload import native_engine
 
-    core = native_io.core()
+    core = native_engine.core()
     if core is None:
-        why = f"the native IO core is unavailable: {native_io.why_unavailable()}"
+        why = f"the native IO core is unavailable: {native_engine.why_unavailable()}"
         if os.environ.get("KVOFFLOAD_REQUIRE_NATIVE") == "1":
             pytest.fail(why)
         pytest.skip(why)

@@ -238,8 +238,8 @@ def test_a_broken_or_foreign_core_is_never_loaded_and_never_stops_init(tmp_path,
     import kvoffload
 
     pkg = tmp_path / "site" / "kvoffload"
-    shutil.copytree(Path(kvoffload.__file__).parent, pkg, ignore=shutil.ignore_patterns("_native*", "*.o"))
-    lib = pkg / "_native.abi3.so"
+    shutil.copytree(Path(kvoffload.__file__).parent, pkg, ignore=shutil.ignore_patterns("_core*", "*.o"))
+    lib = pkg / "native_engine" / "_core.abi3.so"
     if content == "empty":
         lib.write_bytes(b"")
     elif content == "garbage":
@@ -250,7 +250,7 @@ def test_a_broken_or_foreign_core_is_never_loaded_and_never_stops_init(tmp_path,
         shutil.copy(_ctypes.__file__, lib)
     script = """
         import logging, torch
-        from kvoffload import DiskBackend, native_io
+        from kvoffload import DiskBackend, native_engine
         from kvoffload.device import random_caches
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         caches = random_caches("cpu", 4, [4096])
@@ -259,7 +259,7 @@ def test_a_broken_or_foreign_core_is_never_loaded_and_never_stops_init(tmp_path,
         ev = []
         b.launch_copy([0, 1], [0, 1], True, 0, ev)
         ev[-1][1].synchronize()
-        print("io_path", b.stats()["io_path"], native_io.why_unavailable() is not None)
+        print("io_path", b.stats()["io_path"], native_engine.why_unavailable() is not None)
         b.shutdown()
     """
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, capture_output=True, text=True,

@@ -76,7 +76,9 @@ def test_kvoffload(paths, data):
 
 BENCH = dict(
     good={"--layout": st.sampled_from(["big:2x4096", "one:1x1"]), "--dram-streams": st.sampled_from(["1", "1,3"]),
-          "--device": st.just("cpu"), "--engine-shares": st.sampled_from(["0.5", "0.25,0.75"])},
+          "--device": st.just("cpu"), "--engine-shares": st.sampled_from(["0.5", "0.25,0.75"]),
+          # Never above --engine-max-repeats, whatever that is drawn as (both at least 3).
+          "--engine-min-repeats": st.just("3")},
     bad={"--layout": st.sampled_from(["big", "big:0x4096", "big:2xq", ":2x4096", "a:b:c"]),
          "--dram-streams": st.sampled_from(["0", "1,1", "x", "", "1,-2"]),
          "--device": st.sampled_from(["bogus", *NO_CUDA]),
@@ -99,7 +101,8 @@ def test_bench(paths, data):
     # A good list (huge sizes too: the run refuses them once it sees the drives) is a
     # configuration the bench accepts; the whole bench would take minutes.
     cfg = suite.config_from(suite.build_parser().parse_args(argv))
-    assert cfg.layouts and cfg.modes and cfg.seals and cfg.only and cfg.job_bytes >= 1 and cfg.io_unit_bytes >= 1
+    assert cfg.layouts and cfg.modes and cfg.seals and cfg.only and cfg.job_bytes >= 1
+    assert cfg.io_unit_bytes is None or cfg.io_unit_bytes >= 1
 
 
 # -- python -m kvoffload.bench.tier ------------------------------------------------------

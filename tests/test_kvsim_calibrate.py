@@ -13,8 +13,8 @@ import pytest
 from kvsim.calibrate import TOLERANCE, BenchError, calibrate, load_bench
 from kvsim.cli import main
 from kvsim.profile import PROFILE_DIR, IoProfile, load_profile
-from kvsim.tiers import (KVOFFLOAD_BUFFER_SLOTS, KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES,
-                         KVOFFLOAD_TIER_IO_UNIT_BYTES, kvoffload_threads, parse_tier)
+from kvsim.tiers import (KVOFFLOAD_BUFFER_SLOTS, KVOFFLOAD_IO_THREADS,
+                         kvoffload_threads, kvoffload_unit_bytes, parse_tier)
 
 DATA = Path(__file__).parent / "data"
 RECORDED = {"h200-disk": "bench_h200_disk.json", "h200-array": "bench_h200_array.json",
@@ -118,21 +118,22 @@ def test_kvsim_pipeline_defaults_are_kvoffloads(cpus, paths):
 
     from kvoffload import disk_backend
 
-    assert (KVOFFLOAD_IO_THREADS, KVOFFLOAD_IO_UNIT_BYTES) == (disk_backend.DEFAULT_IO_THREADS,
-                                                               disk_backend.DEFAULT_IO_UNIT_BYTES)
+    assert KVOFFLOAD_IO_THREADS == disk_backend.DEFAULT_IO_THREADS
     assert inspect.signature(disk_backend.DiskBackend.init).parameters["num_buffer_slots"].default == \
         KVOFFLOAD_BUFFER_SLOTS
     assert kvoffload_threads(cpus, paths) == disk_backend.default_io_threads(paths, KVOFFLOAD_BUFFER_SLOTS, cpus)
+    for threads in (1, 2, 4, 8, 16, 64):
+        assert kvoffload_unit_bytes(paths, threads) == disk_backend.default_io_unit_bytes(paths, threads)
 
 
 def test_kvsim_tier_unit_is_kvoffload_tiers():
     from kvoffload import vllm_tier
 
-    assert KVOFFLOAD_TIER_IO_UNIT_BYTES == vllm_tier.TierConfig.io_unit_bytes == vllm_tier.TIER_IO_UNIT_BYTES
-    # The disk level of a two-level tier runs the tier's units unless told otherwise.
-    assert parse_tier("cpu:8GiB+disk:1TB").secondary.pipeline.unit_bytes == KVOFFLOAD_TIER_IO_UNIT_BYTES
+    # The tier takes the backend's default unit, as kvsim's disk levels do unless told otherwise.
+    assert vllm_tier.TierConfig.io_unit_bytes is None
+    assert parse_tier("cpu:8GiB+disk:1TB").secondary.pipeline.unit_bytes is None
     assert parse_tier("cpu:8GiB+disk:1TB:unit=16MiB").secondary.pipeline.unit_bytes == 16 << 20
-    assert parse_tier("disk:1TB").pipeline.unit_bytes == KVOFFLOAD_IO_UNIT_BYTES
+    assert parse_tier("disk:1TB").pipeline.unit_bytes is None
 
 
 def test_the_calibrate_command_writes_a_profile_replay_can_use(tmp_path, capsys):

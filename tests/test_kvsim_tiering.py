@@ -12,7 +12,7 @@ from kvsim.hardware import Hardware
 from kvsim.models import get_model
 from kvsim.profile import load_profile
 from kvsim.replay import ReplayConfig, build, replay
-from kvsim.tiers import KVOFFLOAD_TIER, parse_tier
+from kvsim.tiers import KVOFFLOAD, parse_tier
 from kvsim.trace import TraceRequest
 
 MODEL = get_model("llama3-8b")
@@ -23,12 +23,12 @@ def test_a_two_level_spec_parses_into_its_levels():
     t = parse_tier("cpu:8GiB+disk:100GB:pagecache:threads=4")
     assert (t.kind, t.capacity_bytes, t.pipeline, t.text) == ("cpu", 8 << 30, None,
                                                               "cpu:8GiB+disk:100GB:pagecache:threads=4")
-    # The disk level is kvoffload's tier: the disk backend's pipeline with the tier's IO units.
-    alone = parse_tier("disk:100GB:pagecache:threads=4:unit=32MiB")
+    # The disk level is kvoffload's tier: the disk backend's pipeline, its default IO units too.
+    alone = parse_tier("disk:100GB:pagecache:threads=4")
     assert (t.secondary.kind, t.secondary.capacity_bytes, t.secondary.pipeline) == (
         alone.kind, alone.capacity_bytes, alone.pipeline)
     assert t.page_cache  # --host-free applies to its disk level
-    assert parse_tier("cpu:8GiB+disk:1TB").secondary.pipeline == KVOFFLOAD_TIER
+    assert parse_tier("cpu:8GiB+disk:1TB").secondary.pipeline == KVOFFLOAD
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -1,9 +1,9 @@
-"""The native core's unit calls (``native/store_unit.c``, ``load_unit.c``), driven directly.
+"""The native engine's unit functions (``native_engine/store_unit.c``, ``load_unit.c``), driven directly.
 
-Each test fills a ``native_io.UnitCall`` as the lanes do and checks what one call does:
-seals that ``cryptography`` opens and the reverse, runs and retries, what reaches the
-payloads when a slot fails, device copies inside the call, and the GIL. The lanes on
-both paths are held to one behaviour by ``test_native_differential.py``.
+Each test fills a unit's arrays as the engine's workers do (``engine.c``'s ``prepare``) and
+checks what one call does: seals that ``cryptography`` opens and the reverse, runs and
+retries, what reaches the payloads when a slot fails, shutdown's gate, and the GIL. The
+engines are held to one behaviour by ``test_native_differential.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from faults import Fault, FaultyOsCalls
-from kvoffload import native_io
-from kvoffload.os_calls import OsCalls
+from kvoffload import native_engine
+from kvoffload.os_calls import OsCalls, moved
 from kvoffload.slot_seal import AesGcmSeal
 
 SLOT, PAYLOAD = 8192, 5000  # a padded slot, as under O_DIRECT
@@ -28,6 +28,58 @@ SLOT, PAYLOAD = 8192, 5000  # a padded slot, as under O_DIRECT
 @pytest.fixture
 def core(native_core):
     return native_core
+
+
+class UnitArrays:
+    """One unit's arrays (``kvo_slots``) and ``kvo_unit``, as a worker fills them."""
+
+    def __init__(self, core, rows: int, aad_bytes: int) -> None:
+        ffi = core.ffi
+        self.core, self.aad_bytes = core, aad_bytes
+        self.file_off = np.zeros(rows, np.int64)
+        self.buf = np.zeros(rows, np.uint64)
+        self.payload = np.zeros(rows, np.uint64)
+        self.nonce = np.zeros((rows, 12), np.uint8)
+        self.aad = np.zeros((rows, aad_bytes), np.uint8)
+        self.tag = np.zeros((rows, 16), np.uint8)
+        self.status = np.zeros(rows, np.int32)
+        self.err = np.zeros(rows, np.int32)
+        self.cut = np.zeros(rows, np.uint8)
+        self.slots = ffi.new("kvo_slots *")
+        for name, field in ffi.typeof("kvo_slots").fields:
+            setattr(self.slots, name, ffi.cast(field.type, getattr(self, name).ctypes.data))
+        self.unit = ffi.new("kvo_unit *")
+
+    def run(self, is_store: bool, n: int, fd: int, slot: int, payload: int, seal: int, key, osc: OsCalls,
+            views: list, gate) -> None:
+        """One call; a seam that is not the plain one is called back with ``views`` (the
+        engine's own buffers), as the engine's workers do."""
+        ffi, lib = self.core.ffi, self.core.lib
+        u = self.unit
+        u.fd, u.n, u.slot_bytes, u.payload_bytes = fd, n, slot, payload
+        u.max_run, u.seal, u.aad_bytes, u.key, u.gate = 1024, seal, self.aad_bytes, key, gate
+        method = osc.pwritev if is_store else osc.preadv
+        raised: list[BaseException] = []
+
+        def io(handle, j0, j1, offset):
+            if raised:
+                return -errno.EIO
+            try:
+                return moved(method(fd, views[j0:j1], offset), method)
+            except OSError as e:
+                return -(e.errno or errno.EIO)
+            except BaseException as e:  # noqa: BLE001 - the engine makes it fatal for the run
+                raised.append(e)
+                return -errno.EIO
+
+        cb = ffi.callback("kvo_io_fn", io)
+        if native_engine.plain_call(osc, "pwritev" if is_store else "preadv"):
+            u.io, u.io_handle = ffi.NULL, ffi.NULL
+        else:
+            u.io, u.io_handle = cb, ffi.NULL
+        (lib.kvo_store_unit if is_store else lib.kvo_load_unit)(u, self.slots)
+        if raised:
+            raise raised[0]
 
 
 class Unit:
@@ -40,39 +92,37 @@ class Unit:
         self.fd = os.open(tmp_path / "slots.bin", os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self.fd, slot * (max(slots) + 2))
         self.key = os.urandom(16)
-        self.gcm_key = native_io.gcm_key(core, self.key)
+        self.gcm_key = native_engine.gcm_key(core, self.key)
         self.gate = core.ffi.new("int *")
         self.src = np.random.default_rng(seed).integers(0, 256, (self.n, payload), dtype=np.uint8)
         self.staging = np.zeros((self.n, slot), np.uint8)
         self.rows = np.zeros((self.n, slot), np.uint8)  # host rows, slot-sized (direct IO)
-        self.c = native_io.UnitCall(core, max(64, self.n), 8)
+        self.c = UnitArrays(core, max(64, self.n), 8)
         self.c.file_off[: self.n] = [s * slot for s in slots]
         self.c.nonce[: self.n] = AesGcmSeal.nonce_array(range(100, 100 + self.n))
         self.c.aad[: self.n] = AesGcmSeal().aad_array(slots)
         self.in_place = in_place
 
-    def call(self, is_store: bool, osc: OsCalls, seal: int, copy, bufs, payloads, skip=()) -> np.ndarray:
+    def call(self, is_store: bool, osc: OsCalls, seal: int, bufs, payloads, skip=()) -> np.ndarray:
         c, n = self.c, self.n
         c.buf[:n], c.payload[:n] = bufs, payloads
         c.status[:n] = self.core.lib.KVO_OK
         c.status[list(skip)] = self.core.lib.KVO_SKIP
         views = [memoryview(b) for b in (self.staging if not self.in_place or is_store else self.rows)]
-        c.run(is_store, n, self.fd, self.slot, self.payload, seal, self.gcm_key, osc, lambda a, b: views[a:b],
-              self.gate, copy)
+        c.run(is_store, n, self.fd, self.slot, self.payload, seal, self.gcm_key, osc, views, self.gate)
         return c.status[:n].copy()
 
-    def store(self, osc: OsCalls = OsCalls(), seal: int = 1, copy=None) -> np.ndarray:
-        return self.call(True, osc, seal, copy, [r.ctypes.data for r in self.staging],
-                         [r.ctypes.data for r in self.src])
+    def store(self, osc: OsCalls = OsCalls(), seal: int = 1) -> np.ndarray:
+        return self.call(True, osc, seal, [r.ctypes.data for r in self.staging], [r.ctypes.data for r in self.src])
 
-    def load(self, osc: OsCalls = OsCalls(), seal: int = 1, copy=None, skip=()) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, osc: OsCalls = OsCalls(), seal: int = 1, skip=()) -> tuple[np.ndarray, np.ndarray]:
         self.rows[:] = 0x5A  # what the rows held before
         rows = [r.ctypes.data for r in self.rows]
         if self.in_place:
-            status = self.call(False, osc, seal, copy, rows, rows, skip)
+            status = self.call(False, osc, seal, rows, rows, skip)
         else:
             self.staging[:] = 0
-            status = self.call(False, osc, seal, copy, [r.ctypes.data for r in self.staging], rows, skip)
+            status = self.call(False, osc, seal, [r.ctypes.data for r in self.staging], rows, skip)
         return status, self.rows[:, : self.payload]
 
 
@@ -172,91 +222,12 @@ def test_failed_writes_fail_their_slots(core, tmp_path):
     assert (status == core.lib.KVO_IO_ERROR).all() and (u.c.err[:4] == errno.ENOSPC).all()
 
 
-def test_an_exception_in_the_seam_is_raised_after_the_unit(core, tmp_path):
-    # Goal: what the seam raises that is not an OSError (a harness bug, a device failure
-    # hook) is not lost in C: no further call reaches the seam, and it comes out after.
-    u = Unit(core, tmp_path, [0, 1, 5])
-    u.store()
-    osc = FaultyOsCalls()
-
-    def boom(info):
-        raise RuntimeError("from the seam")
-
-    osc.before("preadv", boom)
-    with pytest.raises(RuntimeError, match="from the seam"):
-        u.load(osc)
-    assert osc.calls["preadv"] == 1
-    status, rows = u.load()  # the next unit on this thread starts clean
-    assert (status == 0).all() and (rows == u.src).all()
-
-
 def test_off_seal_copies_without_checks(core, tmp_path):
     u = Unit(core, tmp_path, [0, 1, 2])
     assert (u.store(seal=0) == 0).all()
     assert os.pread(u.fd, PAYLOAD, SLOT) == u.src[1].tobytes()  # plaintext on disk, by choice
     status, rows = u.load(seal=0)
     assert (status == 0).all() and (rows == u.src).all()
-
-
-class StagingCopy:
-    """A store's device copy as the core launches a CUDA one: cffi callbacks of the header's
-    own function types stand in for the driver's batch copy (here: the payloads land in
-    the source rows), event record and wait; ``rc`` fails the batch with that code."""
-
-    def __init__(self, core, u: Unit, rc: int = 0) -> None:
-        ffi = core.ffi
-        self.u, self.rc, self.calls = u, rc, []
-        self.landed = u.src.copy()
-        u.src[:] = 0  # until the copy, the source holds no KV yet
-        self.fns = (ffi.callback("kvo_batch_fn", self.batch), ffi.callback("kvo_record_fn", self.record),
-                    ffi.callback("kvo_wait_fn", self.wait))  # kept alive with the copy
-        self.c = ffi.new("kvo_copy *")
-        self.c.kind, self.c.count = core.lib.KVO_COPY_CUDA, 1
-        self.c.batch, self.c.record, self.c.sync = self.fns
-        self.c.wait = 1
-        self.c.event = ffi.cast("void *", 1234)
-
-    def batch(self, *args) -> int:
-        self.calls.append("batch")
-        if self.rc == 0:
-            self.u.src[:] = self.landed
-        return self.rc
-
-    def record(self, event, stream) -> int:
-        self.calls.append("record")
-        return 0
-
-    def wait(self, event) -> int:
-        assert int(self.u.core.ffi.cast("uintptr_t", event)) == 1234
-        self.calls.append("wait")
-        return 0
-
-
-def test_a_store_makes_and_waits_for_its_device_copy_inside_the_call(core, tmp_path):
-    # Goal: a store's copy into staging is launched, recorded and waited for in the
-    # same GIL-free call, once, before any slot is sealed: what is written is what the
-    # copy brought.
-    u = Unit(core, tmp_path, [0, 1, 2])
-    copy = StagingCopy(core, u)
-    assert (u.store(copy=copy.c) == 0).all()
-    assert copy.calls == ["batch", "record", "wait"]
-    status, rows = u.load()
-    assert (status == 0).all() and (rows == copy.landed).all() and rows.any()
-
-
-def test_a_failed_device_copy_fails_the_unit_before_any_io(core, tmp_path):
-    # Goal: the device failed (the batch's error code): the call raises, nothing was
-    # sealed or written (the file's slots are still zeros), and a load does no IO.
-    u = Unit(core, tmp_path, [0, 1])
-    osc = FaultyOsCalls()
-    copy = StagingCopy(core, u, rc=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
-    with pytest.raises(native_io.DeviceCopyError, match="CUresult 700"):
-        u.store(osc, copy=copy.c)
-    assert copy.calls == ["batch"] and osc.calls["pwritev"] == 0
-    assert os.pread(u.fd, 2 * SLOT, 0) == bytes(2 * SLOT)
-    with pytest.raises(native_io.DeviceCopyError):
-        u.load(osc, copy=copy.c)
-    assert osc.calls["preadv"] == 0
 
 
 def test_a_closing_gate_stops_file_calls_and_an_ended_one_every_write(core, tmp_path):

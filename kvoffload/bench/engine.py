@@ -37,7 +37,7 @@ import torch
 
 from kvoffload.bench.ceilings import RawFile
 from kvoffload.device import alloc_host
-from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
+from kvoffload.disk_backend import DiskBackend, default_io_threads, default_io_unit_bytes
 from kvoffload.slot_file import round_up
 from kvoffload.vllm_tier import SlotTier, TierConfig
 
@@ -81,7 +81,7 @@ class GpuPath:
     events from the front of the list)."""
 
     def __init__(self, device: torch.device, paths: list[str], tensor_bytes: tuple[int, ...], num_blocks: int,
-                 io_threads: Optional[int], io_unit_bytes: int) -> None:
+                 io_threads: Optional[int], io_unit_bytes: Optional[int]) -> None:
         g = torch.Generator(device=device).manual_seed(0)
         self.caches = {f"layer{i}": torch.randint(-128, 128, (num_blocks, b), dtype=torch.int8, device=device,
                                                    generator=g) for i, b in enumerate(tensor_bytes)}
@@ -411,12 +411,12 @@ class EngineConfig:
     max_repeats: int = 8
     tol: float = 0.05
     io_threads: Optional[int] = None
-    io_unit_bytes: int = DEFAULT_IO_UNIT_BYTES
+    io_unit_bytes: Optional[int] = None  # None: the backend's default
     paths: tuple[str, ...] = PATHS
     directions: tuple[str, ...] = DIRECTIONS
     shares: tuple[float, ...] = SHARES
     seed: int = 0
-    tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the tier's default)
+    tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the backend's default)
 
 
 def drive_sets(dirs: list[str]) -> list[list[str]]:
@@ -441,7 +441,10 @@ def run_engine_group(cfg: EngineConfig, log: Callable[[str], None]) -> list[Engi
             elif name == "tier":
                 path = TierPath(paths, block_bytes, num_blocks, cfg.io_threads, cfg.tier_unit_bytes)
             else:
-                path = RawPath(dirs, block_bytes, num_blocks, cfg.io_threads or DEFAULT_IO_THREADS, cfg.io_unit_bytes)
+                # The backend's own defaults for as many drives: the same threads and units.
+                threads = cfg.io_threads or default_io_threads(len(dirs))
+                path = RawPath(dirs, block_bytes, num_blocks, threads,
+                               cfg.io_unit_bytes or default_io_unit_bytes(len(dirs), threads))
             try:
                 _fill(path, job_blocks)
                 for direction in cfg.directions:

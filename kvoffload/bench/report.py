@@ -164,7 +164,8 @@ def full(result: dict) -> str:
     lines += [
         f"{c['bytes_per_case'] / 2**20:.0f} MiB per pass, every case over >= {c['case_seconds']:g} s, "
         f"{c['runs']} run(s), slots {c['slots']}, {c['job_bytes'] / 2**20:g} MiB per job, {c['io_threads_used']} IO threads per lane, "
-        f"{c['io_unit_bytes'] / 2**20:g} MiB IO units; raw = best of queue depths {c['queue_depths']}",
+        + (f"{c['io_unit_bytes'] / 2**20:g} MiB IO units" if c["io_unit_bytes"] else "the backend's default IO units")
+        + f"; raw = best of queue depths {c['queue_depths']}",
         result["cache_drop"]["summary"],
         c["host_bound"]["formula"],
         "ratio: store / raw write (then / rewrite), load / raw read, striped / all drives' raw (then one drive's), "

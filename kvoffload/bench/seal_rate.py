@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from kvoffload import native_io
+from kvoffload import native_engine
 from kvoffload.bench.ceilings import Timed, run_threads
 from kvoffload.slot_seal import SEALS, TAG_BYTES
 
@@ -22,22 +22,19 @@ def seal_rate(name: str, threads: int, seconds: float, impl: str = "python",
               buffer_bytes: int = SEAL_BUFFER_BYTES) -> Timed:
     """Bytes sealed per second by ``threads`` threads for ``seconds`` (at least one seal each):
     through the backend's ``SlotSeal`` (``impl="python"``, the Python path's), or, for
-    AES-GCM, the native core's own cipher (``"native"``, one cffi call per seal)."""
+    AES-GCM, the native engine's own cipher (``"native"``, one cffi call per seal)."""
     seal = SEALS[name]()
     if impl == "native":
-        core = native_io.core()
-        key = native_io.gcm_key(core, seal.key)
+        cipher = native_engine.Cipher(seal.key)
         nonce, aad = seal.nonce_array([1])[0].tobytes(), seal.aad_array([0])[0].tobytes()
 
     def body(k: int, deadline: float) -> int:
         # The spare tail: sealing borrows the 16 bytes after the payload for the tag.
         mv = memoryview(bytearray(buffer_bytes + TAG_BYTES))
-        if impl == "native":
-            buf, tag = core.ffi.from_buffer(mv), core.ffi.new("uint8_t[16]")
         moved = 0
         while True:
             if impl == "native":
-                core.lib.kvo_gcm_seal(key, nonce, aad, len(aad), buf, buf, buffer_bytes, tag)
+                cipher.seal(nonce, aad, mv, buffer_bytes)
             else:
                 seal.seal(k, mv, buffer_bytes)
             moved += buffer_bytes

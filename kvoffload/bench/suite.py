@@ -29,7 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvoffload import cli_args, native_io
+from kvoffload import cli_args, native_engine
+from kvoffload.engine import choose as engine_choice
 from kvoffload.bench import engine, report
 from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,
@@ -46,10 +47,10 @@ from kvoffload.bench.workload import (
 )
 from kvoffload.cli_args import UsageError
 from kvoffload.device import BlockLayout, alloc_host, make_device
-from kvoffload.disk_backend import DEFAULT_IO_THREADS, DEFAULT_IO_UNIT_BYTES, DiskBackend
+from kvoffload.disk_backend import (DEFAULT_IO_THREADS, DEFAULT_STAGING_BYTES, MAX_DEFAULT_IO_UNIT_BYTES, DiskBackend,
+                                   default_io_threads, default_io_unit_bytes)
 from kvoffload.slot_file import round_up
 from kvoffload.slot_seal import SEALS as SEAL_CLASSES
-from kvoffload.vllm_tier import TIER_IO_UNIT_BYTES
 
 GiB = 2**30
 MiB = 2**20
@@ -100,7 +101,7 @@ class Config:
     raw_seconds: float  # per queue depth of a raw sweep
     job_bytes: int
     io_threads: Optional[int]
-    io_unit_bytes: int
+    io_unit_bytes: Optional[int]  # None: the backend's default
     slots: str
     allow_drop_caches: bool
     quick: bool
@@ -110,6 +111,7 @@ class Config:
     engine_seconds: float = 1.0  # per segment of an engine case
     engine_paths: tuple[str, ...] = engine.PATHS
     engine_shares: tuple[float, ...] = engine.SHARES
+    engine_min_repeats: int = 3
     engine_max_repeats: int = 8
     engine_switch_ms: Optional[float] = None  # sys.setswitchinterval for the engine group
     engine_tier_unit_bytes: Optional[int] = None  # the tier path's io_unit_bytes (None: the tier's default)
@@ -124,6 +126,14 @@ class Config:
     def threads(self) -> int:
         """IO threads per lane the backend runs with (its default where none is given)."""
         return self.io_threads or DEFAULT_IO_THREADS
+
+    def threads_for(self, paths: int) -> int:
+        """The backend's IO threads per lane over ``paths`` disk paths (its default where none is given)."""
+        return self.io_threads or default_io_threads(paths)
+
+    def unit_bytes(self, paths: int) -> int:
+        """The backend's io_unit_bytes over ``paths`` disk paths (its default where none is given)."""
+        return self.io_unit_bytes or default_io_unit_bytes(paths, self.threads_for(paths))
 
 
 # --- the run ------------------------------------------------------------------------
@@ -239,7 +249,7 @@ class Bench:
         for seal in cfg.seals:
             if seal == "off":
                 continue
-            impls = [("python", "")] + ([("native", " native")] if seal == "aes-gcm" and native_io.core() else [])
+            impls = [("python", "")] + ([("native", " native")] if seal == "aes-gcm" and native_engine.cipher_available() else [])
             for impl, label in impls:
                 one = self.add(Case(f"seal {seal}{label} 1 thread", "seal", "seal",
                                     seal_rate(seal, 1, cfg.ceiling_seconds, impl), info={"seal": seal, "threads": 1,
@@ -263,7 +273,7 @@ class Bench:
         geometry = {
             "mode": mode, "seal": seal, "paths": len(paths), "drives": drives, "blocks": n,
             "block_bytes": L.block_bytes, "jobs": len(store_jobs), "job_bytes": len(store_jobs[0][0]) * L.block_bytes,
-            "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes,
+            "io_threads": cfg.threads_for(len(paths)), "io_unit_bytes": cfg.unit_bytes(len(paths)),
         }
         backend: Optional[DiskBackend] = None
         oks: list[bool] = []
@@ -380,7 +390,7 @@ class Bench:
         ratios = [a / b for a, b in zip(rates[True], rates[False])]
         cpu_ratios = [a / b for a, b in zip(cpu[True], cpu[False])]
         info = {"mode": mode, "seal": DEFAULT_SEAL, "blocks": n, "block_bytes": L.block_bytes, "pairs": len(ratios),
-                "io_threads": cfg.threads, "io_unit_bytes": cfg.io_unit_bytes}
+                "io_threads": cfg.threads_for(1), "io_unit_bytes": cfg.unit_bytes(1)}
         prefix = f"{L.name} {mode} metrics"
         self.add(Case(f"{prefix} off load", "metrics", L.name, totals[False], (), all(oks),
                       {**info, "collect": False, "gib_s_per_pair": [round(r, 4) for r in rates[False]]}))
@@ -435,7 +445,7 @@ class Bench:
         host.zero_()
         self.dev.pin(host)
         staging = host.view(rows, slot)
-        unit = max(1, cfg.io_unit_bytes // slot)  # rows per call, as the backend's units
+        unit = max(1, cfg.unit_bytes(1) // slot)  # rows per call, as the backend's units
         threads = cfg.threads
         d2h = Timed(0, 0.0, 0.0)
         h2d = Timed(0, 0.0, 0.0)
@@ -479,6 +489,11 @@ class Bench:
         self.add(Case(f"{L.name} seam d2h", "seam", L.name, d2h, (f"{L.name} pinned d2h",), None, info))
         self.add(Case(f"{L.name} seam h2d", "seam", L.name, h2d, (f"{L.name} pinned h2d",), good, info))
 
+    def load_staging(self, paths: int, slot: int) -> int:
+        """Bytes of the backend's load staging over ``paths`` paths: two units per thread."""
+        cfg = self.cfg
+        return paths * cfg.threads_for(paths) * 2 * round_up(cfg.unit_bytes(paths), slot)
+
     def stripe(self, L: Layout, caches, ref, work: list[str], jobs, n: int, slot: int, ceil: dict) -> None:
         """Two files on the first drive (what more threads and files alone buy), then one file
         per --dir against all of them driven at once by the raw loop."""
@@ -486,8 +501,21 @@ class Bench:
         two = [os.path.join(work[0], f"p{i}", "kv.bin") for i in range(2)]
         for p in two:
             os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+        # The one drive's honest read ceiling: reads cycling through as much memory as the two
+        # paths' load staging (a RAM drive's read into one reused buffer is faster than any
+        # pipeline can be).
+        raw = RawFile(work[0], raw_bytes(n, L.block_bytes))
+        try:
+            raw.fill()
+            t = sweep([raw], slot, "direct-read", cfg.raw_seconds, cfg.case_seconds,
+                      footprint=self.load_staging(2, slot))
+            self.add(Case(f"{L.name} raw direct-read cycling 1 dirs", "raw", L.name, t,
+                          info={"dirs": 1, "footprint": self.load_staging(2, slot)}))
+        finally:
+            raw.close()
+        one = {"write": ceil["write"], "read": (f"{L.name} raw direct-read cycling 1 dirs",) + ceil["read"]}
         self.disk(L, caches, ref, two, "direct", DEFAULT_SEAL, jobs, f"{L.name} stripe 2 paths 1 disk", "stripe",
-                  1, ceil, warm_load=False)
+                  1, one, warm_load=False)
         if len(work) < 2:
             return
         k = len(work)
@@ -502,7 +530,7 @@ class Bench:
                 self.add(Case(f"{L.name} raw {kind} {k} dirs", "raw", L.name, t, info={"dirs": k}))
             # The load's honest ceiling on RAM drives: reads into as much memory as the
             # backend's load staging (its threads' two units each, every lane).
-            staging = k * self.cfg.threads * 2 * round_up(cfg.io_unit_bytes, slot)
+            staging = self.load_staging(k, slot)
             t = sweep(raws, slot, "direct-read", cfg.raw_seconds, cfg.case_seconds, footprint=staging)
             self.add(Case(f"{L.name} raw direct-read cycling {k} dirs", "raw", L.name, t,
                           info={"dirs": k, "footprint": staging}))
@@ -663,7 +691,7 @@ def engine_config(cfg: Config, work: list[str]) -> engine.EngineConfig:
     return engine.EngineConfig(
         device=cfg.device, dirs=work, tensor_bytes=cfg.layouts[0].tensor_bytes, footprint_bytes=footprint,
         job_bytes=max(cfg.job_bytes, footprint // 4), depth=3, seconds=cfg.engine_seconds,
-        min_repeats=2 if cfg.quick else 3, max_repeats=2 if cfg.quick else cfg.engine_max_repeats,
+        min_repeats=2 if cfg.quick else cfg.engine_min_repeats, max_repeats=2 if cfg.quick else cfg.engine_max_repeats,
         io_threads=cfg.io_threads, io_unit_bytes=cfg.io_unit_bytes, paths=cfg.engine_paths,
         shares=cfg.engine_shares, seed=cfg.seed, tier_unit_bytes=cfg.engine_tier_unit_bytes,
     )
@@ -724,8 +752,9 @@ def build_parser() -> cli_args.Parser:
                    help="DiskBackend io_threads (default: the backend's)")
     p.add_argument("--dram-streams", type=dram_streams, default=(1,),
                    help="comma list: streams per direction of the DRAM backend, one case each (1: vLLM's DMA backend)")
-    p.add_argument("--io-unit-mib", dest="io_unit_bytes", type=cli_args.Amount(MiB, "MiB"),
-                   default=DEFAULT_IO_UNIT_BYTES, help=f"DiskBackend io_unit_bytes in MiB ({DEFAULT_IO_UNIT_BYTES / MiB:g})")
+    p.add_argument("--io-unit-mib", dest="io_unit_bytes", type=cli_args.Amount(MiB, "MiB"), default=None,
+                   help="DiskBackend io_unit_bytes in MiB (default: the backend's, up to "
+                        f"{MAX_DEFAULT_IO_UNIT_BYTES // MiB} MiB within {DEFAULT_STAGING_BYTES // MiB} MiB of staging)")
     p.add_argument("--slots", choices=("random", "sequential"), default="random",
                    help="slot placement: random (a warm free list, one IO per block) or sequential")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -740,12 +769,13 @@ def build_parser() -> cli_args.Parser:
                    help="engine group: comma list of Python's share of a 20 ms step, each in (0, 1)")
     p.add_argument("--engine-max-repeats", type=cli_args.Integer(3), default=8,
                    help="engine group: at most this many repeats per case (8; at least 3)")
+    p.add_argument("--engine-min-repeats", type=cli_args.Integer(3), default=3,
+                   help="engine group: at least this many repeats per case (3; at most --engine-max-repeats)")
     p.add_argument("--engine-switch-ms", type=cli_args.Number(above=0.0), default=None,
                    help="engine group: run with sys.setswitchinterval at this many ms (Python's default: 5), "
                         "to measure how the GIL hand-over interval trades the two ratios")
     p.add_argument("--engine-tier-unit-mib", type=cli_args.Integer(1), default=None,
-                   help="engine group: the tier path's IO unit in MiB (default: the tier's own, "
-                        f"{TIER_IO_UNIT_BYTES // MiB})")
+                   help="engine group: the tier path's IO unit in MiB (default: the backend's)")
     p.add_argument("--io-paths", type=cli_args.Names(("auto", "native", "python")), default=["auto"],
                    help="comma list of the backend's IO paths to run each disk and stripe case on: auto (the "
                         "default: the native core where it was built), native, python; CPU s/GiB is per case")
@@ -773,6 +803,9 @@ def config_from(a: argparse.Namespace) -> Config:
         raise UsageError("--make-array builds its own drives: give it or --dir, not both")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU")
+    if a.engine_min_repeats > a.engine_max_repeats:
+        raise UsageError(f"--engine-min-repeats {a.engine_min_repeats} is more than --engine-max-repeats "
+                         f"{a.engine_max_repeats}")
     device = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     case_seconds = a.case_seconds if a.case_seconds is not None else (0.0 if a.quick else 2.0)
     return Config(
@@ -785,6 +818,7 @@ def config_from(a: argparse.Namespace) -> Config:
         quick=a.quick, seed=a.seed, max_blocks=a.max_blocks, dram_streams=a.dram_streams,
         engine_seconds=a.engine_seconds if a.engine_seconds is not None else (0.1 if a.quick else 1.0),
         engine_paths=tuple(a.engine_paths), engine_shares=a.engine_shares, engine_max_repeats=a.engine_max_repeats,
+        engine_min_repeats=a.engine_min_repeats,
         engine_switch_ms=a.engine_switch_ms, metrics_pairs=a.metrics_pairs, io_paths=tuple(a.io_paths),
         engine_tier_unit_bytes=None if a.engine_tier_unit_mib is None else a.engine_tier_unit_mib * MiB,
     )
@@ -852,9 +886,8 @@ def _run(argv: Optional[list[str]]) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "dirs": got.dirs,
-        # The IO path the backend takes here by default, and why where it is Python.
-        "io_path": (native_io.core().describe() if native_io.core() is not None
-                    else f"python ({native_io.why_unavailable()})"),
+        # The IO engine the backend takes here by default, and why where it is Python's.
+        "io_path": engine_choice("aes-gcm", None)[1],
     }
     result = {
         "machine": machine,

@@ -20,41 +20,6 @@ int64_t kvo_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static int make_copy(const kvo_copy *c, int wait) {
-    int rc = 0;
-    if (c->kind == KVO_COPY_MEMCPY) {
-        for (size_t i = 0; i < c->count; i++)
-            memcpy((void *)(uintptr_t)c->dsts[i], (const void *)(uintptr_t)c->srcs[i], (size_t)c->sizes[i]);
-    } else {
-        size_t attr_idx = 0, fail_idx = 0;
-        if (c->count)
-            rc = c->batch(c->dsts, c->srcs, c->sizes, c->count, c->attrs, &attr_idx, 1, &fail_idx, c->stream);
-        if (rc == 0)
-            rc = c->record(c->event, c->stream);
-        if (rc == 0 && wait)
-            rc = c->sync(c->event);
-        rc = rc > 0 ? rc : (rc < 0 ? 1 : 0);
-    }
-    return rc;
-}
-
-int kvo_run_copy(kvo_unit *u) {
-    if (u->copy == NULL)
-        return 0;
-    int64_t t0 = kvo_now_ns();
-    int rc = make_copy(u->copy, u->copy->wait);
-    u->copy_ns += kvo_now_ns() - t0;
-    return rc;
-}
-
-int kvo_copy_gated(kvo_copy *copy, int *gate) {
-    if (!kvo_gate_enter(gate))
-        return -1;
-    int rc = make_copy(copy, 1);
-    kvo_gate_leave(gate);
-    return rc;
-}
-
 int kvo_run_end(const kvo_unit *u, const kvo_slots *s, int j, int end) {
     int j1 = j + 1;
     while (j1 < end && j1 - j < u->max_run && s->status[j1] == KVO_OK && !s->cut[j1] &&

@@ -1,5 +1,5 @@
-/* What store_unit.c and load_unit.c share: the device copy, runs of consecutive file
- * slots, their file calls and the single-slot retries after a failed or short one. */
+/* What store_unit.c and load_unit.c share: runs of consecutive file slots, their file
+ * calls and the single-slot retries after a failed or short one. */
 #ifndef KVOFFLOAD_UNIT_RUNS_H
 #define KVOFFLOAD_UNIT_RUNS_H
 #include <stddef.h>
@@ -8,8 +8,6 @@
 #include "aes_gcm.h"
 
 int64_t kvo_now_ns(void);
-/* Make u->copy (if any): 0, or its CUresult. */
-int kvo_run_copy(kvo_unit *u);
 /* The end of the run of consecutive file slots that starts at j (at most u->max_run slots,
  * never across a cut or a slot already failed). */
 int kvo_run_end(const kvo_unit *u, const kvo_slots *s, int j, int end);

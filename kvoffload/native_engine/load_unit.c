@@ -1,6 +1,7 @@
-/* The load path's native unit (load_path.py's LoadLane.load_native): the previous
- * unit's device copy launched first, then one preadv per run of file slots, each slot
- * opened (decrypted and its tag checked) into where its payload goes.
+/* The native engine's load of one unit (the Python engine's LoadLane.read_and_open_python
+ * does the same, slot by slot): one preadv per run of file slots, each slot opened
+ * (decrypted and its tag checked) into where its payload goes; engine.c then copies the
+ * good slots to the device.
  *
  * What reaches the caller's memory: only a slot that read whole and passed its check.
  * A failed check leaves zeros where its payload went; a failed read into a host block
@@ -38,20 +39,8 @@ static void open_slot(kvo_unit *u, kvo_slots *s, int k) {
     }
 }
 
-int kvo_load_unit(kvo_unit *u, kvo_slots *s) {
-    u->io_ns = u->seal_ns = u->copy_ns = 0;
-    u->copy_refused = 0;
-    if (u->copy != NULL) { /* the previous unit's copy writes the caller's device blocks */
-        if (!kvo_gate_enter(u->gate)) {
-            u->copy_refused = 1;
-            cancel_from(s, 0, u->n);
-            return 0;
-        }
-        int rc = kvo_run_copy(u);
-        kvo_gate_leave(u->gate);
-        if (rc != 0)
-            return rc;
-    }
+void kvo_load_unit(kvo_unit *u, kvo_slots *s) {
+    u->io_ns = u->seal_ns = 0;
     /* Run by run: each run's slots are opened right after its read, while they are
      * still in the CPU's caches. */
     for (int j = 0; j < u->n;) {
@@ -61,13 +50,13 @@ int kvo_load_unit(kvo_unit *u, kvo_slots *s) {
         }
         if (__atomic_load_n(u->gate, __ATOMIC_ACQUIRE) & 1) { /* closing: no new file call */
             cancel_from(s, j, u->n);
-            return 0;
+            return;
         }
         int j1 = kvo_run_end(u, s, j, u->n);
         kvo_transfer(u, s, j, j1, 0);
         if (!kvo_gate_enter(u->gate)) { /* back from a hang after shutdown ended the job */
             cancel_from(s, j, u->n);
-            return 0;
+            return;
         }
         int64_t t0 = kvo_now_ns();
         for (int k = j; k < j1; k++)
@@ -76,5 +65,4 @@ int kvo_load_unit(kvo_unit *u, kvo_slots *s) {
         kvo_gate_leave(u->gate);
         j = j1;
     }
-    return 0;
 }

@@ -1,11 +1,6 @@
-/* The store path's native unit (store_path.py's StoreLane.store_native): device blocks
- * -> staging (the copy, waited for) -> sealed -> one pwritev per run of file slots.
- *
- * Why one call per unit: in vLLM's worker the engine thread holds the GIL most of a
- * step, and an IO thread waits up to Python's switch interval (5 ms) for it after every
- * call that released it. The Python path releases it per run and per slot; this call
- * releases it once per unit (H200, 4 RAM drives, 75% Python per step: 1.0 of the drives'
- * bandwidth kept against 0.21, docs/performance.md).
+/* The native engine's store of one unit, once its blocks are in the buffers the unit's
+ * slots are sealed from (engine.c made the device copy): seal -> one pwritev per run of
+ * file slots. The Python engine's StoreLane.store_python does the same, slot by slot.
  */
 #include <string.h>
 #include "unit_runs.h"
@@ -21,11 +16,8 @@ static void seal_slot(kvo_unit *u, kvo_slots *s, int k) {
         memcpy(buf, payload, (size_t)u->payload_bytes);
 }
 
-int kvo_store_unit(kvo_unit *u, kvo_slots *s) {
-    u->io_ns = u->seal_ns = u->copy_ns = 0;
-    int rc = kvo_run_copy(u);
-    if (rc != 0)
-        return rc;
+void kvo_store_unit(kvo_unit *u, kvo_slots *s) {
+    u->io_ns = u->seal_ns = 0;
     /* Run by run: each run's slots are sealed right before its write, while they are
      * still in the CPU's caches (a batch of units is more than the caches hold). */
     for (int j = 0; j < u->n;) {
@@ -37,5 +29,4 @@ int kvo_store_unit(kvo_unit *u, kvo_slots *s) {
         kvo_transfer(u, s, j, j1, 1);
         j = j1;
     }
-    return 0;
 }
