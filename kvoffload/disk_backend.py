@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from kvoffload import block_device
 from kvoffload.budget import file_slots, slot_state_bytes
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
@@ -232,6 +233,8 @@ class DiskBackend:
                 run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
                                                  total_block_bytes, use_page_cache, named_file,
                                                  max_slot_bytes=budget // num_disk_slots, prefill=prefill))
+            devices = [block_device.of_device(osc.fstat(f.fd).st_dev) for f in run.files]
+            run.metrics.watch_devices(devices)
             run.start(make_engine(run), start_timeout)
             run.metrics.info = {
                 "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
@@ -242,14 +245,16 @@ class DiskBackend:
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
+            # The topology as realised: what an operator checks first when a figure looks wrong.
             logger.info(
-                "kvoffload DiskBackend: %d slots of %d B over %d file(s), %d IO threads per lane, %s, %s, %s%s",
-                num_disk_slots, total_block_bytes, len(paths), threads,
-                run.seal.label,
+                "kvoffload DiskBackend: %d slots of %d B on %s; IO path %s, %d workers per lane, %d MiB units, "
+                "%.0f MiB pinned staging, %s, %s, %s",
+                num_disk_slots, total_block_bytes,
+                "; ".join(f"{p} ({block_device.describe(d)})" for p, d in zip(paths, devices)),
+                io_path, threads, io_unit_bytes >> 20, self._staging_bytes(run) / 2**20, run.seal.label,
                 "page cache" if use_page_cache else "O_DIRECT",
-                f"IO path {io_path}",
-                "" if run.pool is None else
-                f", persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
+                "nothing kept at exit" if run.pool is None else
+                f"persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
                 f"{sum(run.restored.refused.values())} refused)",
             )
         except BaseException:

@@ -57,6 +57,11 @@ _DEFS = (
               "Blocks whose store or load failed, by cause: io_error (the pwritev/preadv raised), short (it moved "
               "fewer bytes), integrity (AES-GCM tag or checksum), not_stored (the slot held no completed store), "
               "closing (dequeued after shutdown began), device (the device copy failed: fatal)."),
+    MetricDef("vllm:kvoffload_device_bytes_total", "counter", ("op", "path"),
+              "Bytes the block device under a disk path really read or wrote (op read or write) since the backend "
+              "started, from the kernel's own counters of that device (all its users, not kvoffload alone): "
+              "loads that read far fewer bytes here than vllm:kvoffload_bytes_total{direction=\"load\"} were "
+              "served from memory (the page cache), not the drive. Absent for a path on no block device."),
     MetricDef("vllm:kvoffload_job_seconds", "histogram", ("direction",),
               "Seconds from launch_copy to the job's completion (queueing, file IO, seal and device copy).",
               JOB_SECONDS_BUCKETS),
@@ -88,8 +93,9 @@ _DEFS = (
               "with the package) or python."),
 )
 METRICS: dict[str, MetricDef] = {d.name: d for d in _DEFS}
+DEVICE_BYTES = "vllm:kvoffload_device_bytes_total"
 BYTES, BLOCKS, FAILED, JOB_SECONDS, UNIT_IO_SECONDS, QUEUED, BUSY, SLOTS_USED, SLOTS_FREE, HIT_TOKENS, \
-    RECOMPUTED_TOKENS, RESTORED_BLOCKS, REFUSED_BLOCKS, INFO = (d.name for d in _DEFS)
+    RECOMPUTED_TOKENS, RESTORED_BLOCKS, REFUSED_BLOCKS, INFO = (d.name for d in _DEFS if d.name != DEVICE_BYTES)
 
 
 class Histogram:
@@ -215,11 +221,28 @@ class IoMetrics:
         self.job_seconds = [Histogram(JOB_SECONDS_BUCKETS) for _ in DIRECTIONS]
         self.unit_io_seconds = [Histogram(UNIT_IO_SECONDS_BUCKETS) for _ in DIRECTIONS]
         self.peak_queued = [[0] * num_paths for _ in DIRECTIONS]
+        # Per disk path its block device (block_device.BlockDevice, or None) and its counters
+        # when the backend started: what the drive did is the difference (``watch_devices``).
+        self.devices: list[Any] = [None] * num_paths
+        self.device_base: list[Optional[tuple[int, int]]] = [None] * num_paths
         self.info: Optional[dict[str, Any]] = None
         self._sent = self._state({d: 0.0 for d in DIRECTIONS}, {})
         self._info_sent = False
 
     # -- counting (IO threads and launch_copy's caller) -----------------------------
+
+    def watch_devices(self, devices: Sequence[Any]) -> None:
+        """Report what each path's block device reads and writes from now on (None: none)."""
+        self.devices = list(devices)
+        self.device_base = [d.bytes_moved() if d is not None else None for d in self.devices]
+
+    def device_bytes(self) -> list[Optional[tuple[int, int]]]:
+        """Per path, (bytes read, bytes written) by its block device since ``watch_devices``."""
+        out: list[Optional[tuple[int, int]]] = []
+        for dev, base in zip(self.devices, self.device_base):
+            now = dev.bytes_moved() if dev is not None and base is not None else None
+            out.append(None if now is None else (now[0] - base[0], now[1] - base[1]))
+        return out
 
     def units_done(self, is_store: bool, moved: Sequence[int], slot_bytes: Sequence[int],
                    io_seconds: Sequence[float]) -> None:
@@ -290,6 +313,10 @@ class IoMetrics:
                                                               [a - b for a, b in zip(sums, s0)]))
             if (delta := now["busy"][direction] - last["busy"][direction]) > 0:
                 put(p, BUSY, (direction,), delta)
+        for path, (dev_now, dev_last) in enumerate(zip(now["device"], last["device"])):
+            for k, op in enumerate(("read", "write")):
+                if dev_now is not None and (delta := dev_now[k] - (dev_last[k] if dev_last else 0)) > 0:
+                    put(p, DEVICE_BYTES, (op, str(path)), delta)
         if self.info is not None and not self._info_sent:
             put(p, INFO, tuple(str(self.info[k]) for k in INFO_LABELS), 1)
             self._info_sent = True
@@ -303,6 +330,7 @@ class IoMetrics:
             "job": [(list(h.counts), list(h.sums)) for h in self.job_seconds],
             "unit": [(list(h.counts), list(h.sums)) for h in self.unit_io_seconds],
             "busy": dict(busy), "queued": {(direction, str(path)): n for (direction, path), n in queued.items()},
+            "device": self.device_bytes(),
         }
 
     def summary(self) -> str:
@@ -318,6 +346,10 @@ class IoMetrics:
                 parts.append(f"failed {verb}: {', '.join(failed) or 'none'}")
             peak = max((n, DIRECTIONS[d], path) for d in range(2) for path, n in enumerate(self.peak_queued[d]))
         parts.append(f"peak queue {peak[0]} units ({peak[1]} lane, path {peak[2]})")
+        drives = [f"{dev.name} read {_size(moved[0])} and wrote {_size(moved[1])}"
+                  for dev, moved in zip(self.devices, self.device_bytes()) if dev is not None and moved is not None]
+        if drives:
+            parts.append("the drives (all their users): " + ", ".join(drives))
         return "; ".join(parts)
 
 

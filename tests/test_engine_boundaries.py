@@ -56,3 +56,12 @@ def test_the_lint_sees_what_it_forbids():
                "an engine's insides": "lane = run.engine.lanes[True][0]"}
     for what, line in samples.items():
         assert FORBIDDEN[what].search(line), what
+
+
+def test_what_the_native_engine_runs_on_is_declared():
+    # cffi loads and calls the native engine at run time: a declared dependency of the
+    # package, not one that happens to arrive with cryptography.
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"cffi\b", d) for d in deps), deps
