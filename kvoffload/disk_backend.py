@@ -71,6 +71,8 @@ def default_io_threads(num_paths: int, num_buffer_slots: int = 1, cores: Optiona
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 8)
     return max(num_buffer_slots, 2, min(DEFAULT_IO_THREADS, cores // num_paths))
+
+
 DEFAULT_JOIN_TIMEOUT_S = 10.0
 # How long init waits for its IO threads to bind the device (make a stream, maybe a
 # staging buffer): a bounded wait, so a wedged driver fails init instead of hanging it.

@@ -1,4 +1,4 @@
-/* The native engine's load of one unit (the Python engine's LoadLane.read_and_open_python
+/* The native engine's load of one unit (the Python engine's LoadLane.read_and_open
  * does the same, slot by slot): one preadv per run of file slots, each slot opened
  * (decrypted and its tag checked) into where its payload goes; engine.c then copies the
  * good slots to the device.

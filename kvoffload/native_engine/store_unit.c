@@ -1,6 +1,6 @@
 /* The native engine's store of one unit, once its blocks are in the buffers the unit's
  * slots are sealed from (engine.c made the device copy): seal -> one pwritev per run of
- * file slots. The Python engine's StoreLane.store_python does the same, slot by slot.
+ * file slots. The Python engine's StoreLane.store does the same, slot by slot.
  */
 #include <string.h>
 #include "unit_runs.h"
