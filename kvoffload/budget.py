@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from kvoffload.os_calls import OsCalls
 from kvoffload.persist import IDENT_BYTES, INDEX_SUFFIX, RECORDS_OFFSET
 from kvoffload.persist import RECORD_BYTES as INDEX_RECORD_BYTES
-from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, check_space, slot_bytes_for
+from kvoffload.slot_file import (
+    MIN_DIRECT_ALIGNMENT,
+    check_space,
+    file_slots,
+    slot_bytes_for,
+)
 from kvoffload.slot_records import record_bytes
 
 # Host memory per slot for its record (slot_records.Records: arrays made whole at init; a
@@ -52,12 +57,6 @@ def _kept_bytes(osc: OsCalls, path: str) -> int:
         if stat.S_ISREG(st.st_mode):
             total += st.st_blocks * 512
     return total
-
-
-def file_slots(num_slots: int, num_files: int, i: int) -> int:
-    """Slots of file ``i`` when slot ``s`` lives in file ``s % num_files`` (arithmetic, so
-    a count of 1e30 is refused by the disk check rather than by ``len(range(...))``)."""
-    return max(0, (num_slots - i + num_files - 1) // num_files)
 
 
 def mem_available(default: int = UNKNOWN_MEMORY) -> int:

@@ -15,9 +15,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvoffload.cuda_driver import SRC_ACCESS_ORDER_ANY, SRC_ACCESS_ORDER_STREAM, Driver, DriverEvent, MemcpyAttributes
+from kvoffload.block_layout import BlockLayout, CopyPlan, copy_rows, piece_descriptors
+from kvoffload.cuda_driver import (
+    SRC_ACCESS_ORDER_ANY,
+    SRC_ACCESS_ORDER_STREAM,
+    Driver,
+    DriverEvent,
+    MemcpyAttributes,
+)
 from kvoffload.cuda_gather import FusedPieces, load_fused
-from kvoffload.device import BlockLayout, CopyPlan, DeviceEvent, copy_rows, piece_descriptors
 
 # Mean bytes per (tensor, block) piece under which a copy goes through a device
 # staging buffer (one DMA descriptor per row, then a gather or scatter between those
@@ -124,12 +130,12 @@ class CudaDevice:
         if int(err) != 0:
             raise RuntimeError(f"cudaHostUnregister failed: error {int(err)}")
 
-    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DeviceEvent:
+    def copy_to_host(self, stream, layout, block_ids, host, rows, wait_event=None, event=None) -> DriverEvent:
         if wait_event is not None:
             self._driver.stream_wait(stream, wait_event)
         return self._copy(stream, layout, block_ids, host, rows, True, event)
 
-    def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DeviceEvent:
+    def copy_to_device(self, stream, layout, host, rows, block_ids, event=None) -> DriverEvent:
         return self._copy(stream, layout, block_ids, host, rows, False, event)
 
     def host_view(self, layout: BlockLayout) -> Optional[memoryview]:

@@ -6,7 +6,7 @@ are bound by the driver's per-descriptor cost when each (tensor, block) piece is
 DMA descriptor (about 1.6 M descriptors/s on the H200), and by launches when each tensor
 gets its own gather kernel (128 launches per copy). Here the DMA moves whole staging rows
 and one kernel moves every piece. ``CudaDevice`` uses it only where Triton imports and the
-kernel agrees with ``device.copy_rows`` on a check at first use; otherwise it keeps the
+kernel agrees with ``block_layout.copy_rows`` on a check at first use; otherwise it keeps the
 per-tensor kernels.
 """
 
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from kvoffload.device import BlockLayout, copy_rows
+from kvoffload.block_layout import BlockLayout, copy_rows
 
 logger = logging.getLogger("kvoffload")
 

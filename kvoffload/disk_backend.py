@@ -29,13 +29,13 @@ from kvoffload.budget import file_slots, slot_state_bytes
 from kvoffload.budget import check as budget_check
 from kvoffload.device import BlockLayout, Device, make_device, resolve_device
 from kvoffload.config import parse_choice
-from kvoffload.engine import choose as choose_engine
-from kvoffload.engine import from_environment
+from kvoffload.engine_choice import choose as choose_engine
+from kvoffload.engine_choice import from_environment
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
 from kvoffload.persist import IDENT_BYTES, Persist, Pool, Restored, check_keys, restorable
-from kvoffload.run import Run
+from kvoffload.run import Run, unit_rows
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
 from kvoffload.slot_records import Records
 from kvoffload.slot_seal import make_seal
@@ -442,15 +442,6 @@ def _layout_fingerprint(layout: BlockLayout) -> dict[str, Any]:
     are packed into a slot (the caller's fingerprint names the model, dtype and rank)."""
     packing = ",".join(f"{o}:{t.shape[1]}" for o, t in zip(layout.offsets, layout.caches))
     return {"tensors": len(layout.offsets), "packing": hashlib.sha256(packing.encode()).hexdigest()[:16]}
-
-
-def unit_rows(io_unit_bytes: int, slot_bytes: int, file_slots: int, num_blocks: int) -> int:
-    """Slots one IO unit (and one staging buffer) holds.
-
-    Never more than the device has blocks or the file has slots, so staging is never
-    larger than a job can fill (a mistaken io_unit_bytes of 1 TiB would otherwise
-    allocate 1 TiB per buffer)."""
-    return max(1, min(io_unit_bytes // slot_bytes, file_slots, num_blocks))
 
 
 def _disk_paths(disk_path: Any, disk_paths: Any) -> list[str]:

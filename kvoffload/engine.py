@@ -1,6 +1,6 @@
 """The IO engine: what moves a job's units between the caller's blocks and the slot files.
 
-One interface, two engines, chosen once per ``init`` (``choose``):
+One interface, two engines, chosen once per ``init`` (``engine_choice.choose``):
 
 - ``python_engine.PythonEngine``, the reference: Python IO threads per lane, a unit's
   seals and file calls slot by slot in Python (``python_engine/store_path.py``,
@@ -17,12 +17,10 @@ runs: its ``name`` is for reports only.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from kvoffload.config import NATIVE_IO_ENV, parse_choice
 from kvoffload.slot_records import Records
 
 # One outcome per slot of a job (the native core's KVO_* codes, native_engine/unit_io.h,
@@ -72,37 +70,3 @@ class Engine(Protocol):
 
     def stage_seconds(self) -> dict[str, dict[str, float]]:
         """Worker seconds per stage (``wait``, ``device``, ``seal``, ``io``) and direction."""
-
-
-# The seals the native engine implements; xxh3 checksums are the Python engine's only.
-NATIVE_SEALS = ("aes-gcm", "off")
-
-
-def from_environment() -> Optional[bool]:
-    """``$KVOFFLOAD_NATIVE_IO``: on (the native engine, required), off (the Python engine), auto."""
-    return parse_choice(os.environ.get(NATIVE_IO_ENV, ""), NATIVE_IO_ENV)
-
-
-def choose(seal_name: str, requested: Optional[bool]) -> tuple[Callable[[Any], Engine], str]:
-    """The one choice: (what makes the run's engine from the run; what the start-up line
-    says of it). ``requested`` True where the native engine cannot run raises
-    ``ValueError`` naming why."""
-    from kvoffload import native_engine, python_engine
-
-    why = None
-    core = None
-    if requested is False:
-        why = f"turned off (native_io=off or {NATIVE_IO_ENV}=off)"
-    elif seal_name not in NATIVE_SEALS:
-        why = f"no native {seal_name} seal"
-    else:
-        core = native_engine.core()
-        if core is None:
-            why = native_engine.why_unavailable()
-        elif seal_name == "aes-gcm" and core.gcm == "none":
-            why = "this CPU has no AES-NI and PCLMULQDQ for the native AES-GCM"
-    if why is None:
-        return (lambda run: native_engine.NativeEngine(run, core)), f"native ({core.build}, AES-GCM {core.gcm})"
-    if requested:
-        raise ValueError(f"native_io=on: {why}")
-    return python_engine.PythonEngine, f"Python ({why})"

@@ -53,6 +53,21 @@ from typing import Any, Optional
 import numpy as np
 
 from kvoffload.os_calls import OsCalls, moved
+from kvoffload.slot_file import (
+    O_DIRECT,
+    SlotFile,
+    SlotFileError,
+    _alignment,
+    _close_quietly,
+    _fix_mode,
+    _open_directory,
+    _prefill,
+    _reserve,
+    file_slots,
+    slot_bytes_for,
+    split_disk_path,
+    sync_quietly,
+)
 
 logger = logging.getLogger("kvoffload")
 
@@ -594,7 +609,6 @@ class Pool:
         this server's layout. An existing pool is only read: a refusal (``PersistError``),
         whatever its cause, leaves every file as it was. ``prefill``: write a new pool's data
         files once (``slot_file._prefill``); an existing pool's are never written here."""
-        from kvoffload.budget import file_slots
 
         pool_id: Optional[bytes] = None
         try:
@@ -630,9 +644,6 @@ class Pool:
     def _open_path(self, i: int, path: str, num_slots: int, files: list, max_slot_bytes: Optional[int],
                    pool_id: Optional[bytes], prefill: bool) -> bytes:
         """Path ``i``'s index and data file; the pool's id."""
-        from kvoffload.slot_file import (SlotFileError, _alignment, _close_quietly, _fix_mode, _open_directory,
-                                         slot_bytes_for, split_disk_path)
-
         osc = self.osc
         directory, name = split_disk_path(path)
         ipath = path + INDEX_SUFFIX
@@ -760,8 +771,6 @@ class Pool:
 
     def close(self, sync: bool = True) -> None:
         """Sync (fdatasync, best effort) and close every index; resumable like ``SlotFile.close``."""
-        from kvoffload.slot_file import _close_quietly, sync_quietly
-
         for ix in self.indexes:
             if ix.held:
                 if sync:
@@ -779,8 +788,6 @@ def _lstat(osc: OsCalls, name: str, dir_fd: int, path: str) -> Optional[os.stat_
 
 
 def _reserve_index(osc: OsCalls, fd: int, path: str, num_slots: int) -> None:
-    from kvoffload.slot_file import _reserve
-
     _reserve(osc, fd, RECORDS_OFFSET + num_slots * RECORD_BYTES, path)
 
 
@@ -788,8 +795,6 @@ def _open_data(osc: OsCalls, dir_fd: int, path: str, name: str, num_slots: int, 
                use_page_cache: bool, create: bool, may_resize: bool, prefill: bool) -> Any:
     """The data file, opened (or created, mode 0600) and checked against its index's size;
     ``prefill``: written once with zeros (a new pool's only)."""
-    from kvoffload.slot_file import O_DIRECT, SlotFile, _close_quietly, _fix_mode, _prefill, _reserve
-
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (0 if use_page_cache else O_DIRECT)
     flags |= os.O_CREAT | os.O_EXCL if create else 0
     fds: list[int] = []
@@ -825,8 +830,6 @@ def read_pool(paths: Sequence[str], operator_key: bytes, osc: Optional[OsCalls] 
     headers must verify under the key and agree on one pool, and each data file must be
     there, of the size its index describes. Refusals are ``PersistError``s; nothing is
     written."""
-    from kvoffload.slot_file import _close_quietly
-
     osc = osc or OsCalls()
     out, pool_id = [], None
     for i, path in enumerate(paths):
@@ -902,8 +905,6 @@ def check_forget(path: str, without_index: bool = False, operator_key: Optional[
     its HMAC) describes an index of exactly the file's size, and the data file beside it is
     empty or of the size the header gives. Anything else is a one-line ``PersistError``;
     nothing is changed."""
-    from kvoffload.slot_file import _close_quietly
-
     osc = osc or OsCalls()
     ipath = path + INDEX_SUFFIX
     have = {}
@@ -976,8 +977,6 @@ def forget(path: str, without_index: bool = False, osc: Optional[OsCalls] = None
     operator's key. The data file is then discarded (hole-punched: the file system frees
     its blocks and, where it passes discards on, tells the drive they hold nothing). A
     pool a server holds (its index flock) is refused."""
-    from kvoffload.slot_file import _close_quietly, split_disk_path
-
     osc = osc or OsCalls()
     have = check_forget(path, without_index, operator_key, osc)
     ipath = path + INDEX_SUFFIX

@@ -129,6 +129,10 @@ class Run:
         self.log = RateLimitedLog()
         self.metrics = metrics
 
+    def rows_per_unit(self, file: SlotFile) -> int:
+        """Slots one IO unit of ``file`` holds (``unit_rows``)."""
+        return unit_rows(self.io_unit_bytes, file.slot_bytes, file.num_slots, self.layout.num_blocks)
+
     def direct_lane(self, file: SlotFile, is_store: bool) -> bool:
         """Whether ``file``'s IO in this direction goes straight between the file and host
         blocks, with no staging: where O_DIRECT allows it (the blocks' address and size are
@@ -411,3 +415,11 @@ class Run:
             if self.engine is not None and not self.forked:
                 self.engine.close()
 
+
+def unit_rows(io_unit_bytes: int, slot_bytes: int, file_slots: int, num_blocks: int) -> int:
+    """Slots one IO unit (and one staging buffer) holds.
+
+    Never more than the device has blocks or the file has slots, so staging is never
+    larger than a job can fill (a mistaken io_unit_bytes of 1 TiB would otherwise
+    allocate 1 TiB per buffer)."""
+    return max(1, min(io_unit_bytes // slot_bytes, file_slots, num_blocks))

@@ -49,6 +49,12 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def file_slots(num_slots: int, num_files: int, i: int) -> int:
+    """Slots of file ``i`` when slot ``s`` lives in file ``s % num_files`` (arithmetic, so
+    a count of 1e30 is refused by the disk check rather than by ``len(range(...))``)."""
+    return max(0, (num_slots - i + num_files - 1) // num_files)
+
+
 def slot_bytes_for(total_block_bytes: int, alignment: int, use_page_cache: bool) -> int:
     """Bytes one slot takes in the file: the block padded to ``alignment`` under O_DIRECT."""
     if total_block_bytes <= 0:

@@ -3,7 +3,7 @@
 A lint over the package's own source (kvoffload, faults, kvsim): the native engine's
 compiled module and C structures (``ffi``, ``lib``, ``kvo_*``) appear only in
 ``kvoffload/native_engine/``; no code outside the two engines compares an engine's name or
-type, or reaches into an engine's lanes or workers. ``engine.py`` makes the one choice
+type, or reaches into an engine's lanes or workers. ``engine_choice.py`` makes the one choice
 (it alone asks whether the native engine can run); ``config.py`` parses the ``native_io``
 key an operator sets.
 """
@@ -23,8 +23,8 @@ FORBIDDEN = {
                                     r"io_path\s*[!=]=\s*[\"'](native|python)|\.native\b"),
     "an engine's insides": re.compile(r"engine\.(lanes|workers|jobs|gate|collector)\b"),
 }
-# engine.py makes the choice, so it alone may name the engines and ask whether the core loads.
-ALLOWED = {"kvoffload/engine.py": {"which engine runs"}}
+# engine_choice.py makes the choice, so it alone may name the engines and ask whether the core loads.
+ALLOWED = {"kvoffload/engine_choice.py": {"which engine runs"}}
 
 
 def sources() -> list[Path]:

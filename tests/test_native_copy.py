@@ -24,7 +24,7 @@ from faults import Fault, FaultyOsCalls, sweep, wait_threads_gone
 from faults._sweep import BACKGROUND, SITES
 from kvoffload import BackendFatalError, LeakedFdWarning
 from kvoffload.device import CopyPlan, CpuDevice
-from kvoffload.engine import from_environment
+from kvoffload.engine_choice import from_environment
 from tests.conftest import make_caches, snapshot
 from tests.test_disk_backend import run_job, start
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvoffload import cli_args, native_engine
-from kvoffload.engine import choose as engine_choice
+from kvoffload.engine_choice import choose as engine_choice
 from kvoffload.bench import engine, report
 from kvoffload.bench.ceilings import (
     QUEUE_DEPTHS, RawFile, Stopwatch, Timed, copy_rate, drop_page_cache, memcpy_rate, resident_of, run_all_threads,

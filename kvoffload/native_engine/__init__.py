@@ -234,7 +234,6 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, run: "Run", c: NativeCore) -> None:
-        from kvoffload.disk_backend import unit_rows
 
         self.run, self.core = run, c
         ffi, lib = c.ffi, c.lib
@@ -245,7 +244,7 @@ class NativeEngine:
         self.lanes: list[_Lane] = []
         for is_store in (True, False):
             for i, f in enumerate(run.files):
-                rows = unit_rows(run.io_unit_bytes, f.slot_bytes, f.num_slots, run.layout.num_blocks)
+                rows = run.rows_per_unit(f)
                 self.lanes.append(_Lane(len(self.lanes), is_store, i, rows, run.direct_lane(f, is_store)))
         self.workers = [_Worker(lane) for lane in self.lanes for _ in range(run.threads_per_lane)]
         self._handle = ffi.new_handle(self)

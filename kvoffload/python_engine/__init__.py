@@ -29,13 +29,12 @@ class PythonEngine:
     name = "python"
 
     def __init__(self, run: "Run") -> None:
-        from kvoffload.disk_backend import unit_rows
 
         self.run = run
         self.gate = WriteGate()
         self.lanes: dict[bool, list[Lane]] = {True: [], False: []}
         for f in run.files:
-            rows = unit_rows(run.io_unit_bytes, f.slot_bytes, f.num_slots, run.layout.num_blocks)
+            rows = run.rows_per_unit(f)
             self.lanes[True].append(StoreLane(self, f, run.streams[True], rows))
             self.lanes[False].append(LoadLane(self, f, run.streams[False], rows))
         self.lock = threading.Lock()
