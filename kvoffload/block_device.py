@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from kvoffload.os_calls import OsCalls
+
 SECTOR_BYTES = 512
 
 
@@ -34,12 +36,23 @@ class BlockDevice:
             return None
 
 
+def of_file(osc: OsCalls, fd: int) -> Optional[BlockDevice]:
+    """The block device holding the open file ``fd``, or None: on no block device, or none
+    this process can see (``/sys`` unreadable, or the file's ``fstat`` failed). Only a
+    report hangs on it, so it never fails the caller."""
+    try:
+        return of_device(osc.fstat(fd).st_dev)
+    except OSError:
+        return None
+
+
 def of_device(st_dev: int) -> Optional[BlockDevice]:
-    """The block device holding a file whose ``st_dev`` this is, or None (no block device)."""
+    """The block device whose ``st_dev`` this is, or None (no block device counters)."""
     base = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
     dev = BlockDevice(os.path.basename(os.path.realpath(base)), base + "/stat")
     return dev if dev.bytes_moved() is not None else None
 
 
 def describe(dev: Optional[BlockDevice]) -> str:
-    return dev.name if dev is not None else "no block device (RAM-backed or remote: reads never reach a drive here)"
+    return dev.name if dev is not None else ("no block device (RAM-backed, remote, or not visible in /sys: no drive's "
+                                             "counters show these reads)")

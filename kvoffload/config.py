@@ -25,7 +25,7 @@ DEFAULT_CPU_BYTES = 8 * GiB  # vLLM 0.33's DEFAULT_CPU_CAPACITY_BYTES
 DEFAULT_DISK_CAPACITY_BYTES = 100 * GiB
 DEFAULT_DISK_BUFFER_SLOTS = 2
 
-# Opt-in persistence (persist.py): the flag and where the operator's key comes from.
+# Opt-in persistence (persist/): the flag and where the operator's key comes from.
 PERSIST_KEYS = ("persist", "persist_key_file", "persist_key_env")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -206,7 +206,7 @@ class OffloadConfig:
     # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
     native_io: Optional[bool] = None
     prefill_file: bool = False  # write the slot file once at start-up: first stores at the rewrite rate
-    persist: PersistConfig = PersistConfig()  # keep the disk tier across restarts (persist.py)
+    persist: PersistConfig = PersistConfig()  # keep the disk tier across restarts (persist/)
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":

@@ -165,7 +165,7 @@ class HostDevice(CpuDevice):
     allows it (the blocks' address and size multiples of the file's alignment): a
     load reads a slot into its block and opens it there, a store whose disk form is
     the payload (checksums) writes from the block. No staging at all for those. Off by
-    default: for AES-GCM that pass order measured slower (``vllm_tier.TierConfig``).
+    default (``vllm_tier.TierConfig.direct_io`` says why).
     """
 
     def __init__(self, direct_io: bool = False) -> None:

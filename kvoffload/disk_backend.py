@@ -19,6 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -152,7 +153,7 @@ class DiskBackend:
         - ``prefill``: write each slot file once with zeros before ``init`` returns, so a
           fresh file's first stores run at the rewrite rate (start-up pays one full write
           of the files; docs/config.md).
-        - ``persist``: keep the blocks across restarts (``persist.py``): named files at each
+        - ``persist``: keep the blocks across restarts (``persist/``): named files at each
           disk path (``P`` and ``P.index``), sealed under a key derived from the operator's,
           opened and checked here (a wrong key, another model or layout, a newer format:
           ``PersistError``, nothing changed on disk); stores then need ``launch_copy``'s
@@ -160,108 +161,68 @@ class DiskBackend:
         """
         if self._run is not None:
             raise RuntimeError("DiskBackend.init called twice without shutdown")
-        # Every argument is checked before anything is made, each error naming its keyword.
-        paths = _disk_paths(disk_path, disk_paths)
-        _positive_int("num_buffer_slots", num_buffer_slots)
-        threads = _positive_int("io_threads", io_threads if io_threads is not None
-                                else default_io_threads(len(paths), num_buffer_slots))
-        io_unit_bytes = _positive_int("io_unit_bytes", io_unit_bytes if io_unit_bytes is not None
-                                      else default_io_unit_bytes(len(paths), threads))
-        _positive_int("num_disk_slots", num_disk_slots)
-        _positive_int("total_block_bytes", total_block_bytes)
-        for name, flag in (("use_page_cache", use_page_cache), ("encrypt", encrypt), ("checksums", checksums),
-                           ("report_load_errors", report_load_errors), ("named_file", named_file),
-                           ("prefill", prefill)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if native_io is not None and not isinstance(native_io, (bool, str)):
-            raise TypeError(f"native_io must be a bool, None or on/off/auto, got {native_io!r}")
-        native_io = parse_choice(native_io, "native_io")
-        if native_io is None:
-            native_io = from_environment()
-        # shutdown() computes a deadline from join_timeout: a string here would fail
-        # only there, after the threads and files exist.
-        join_timeout = _seconds("join_timeout", join_timeout, minimum=0.0)
-        start_timeout = _seconds("start_timeout", start_timeout, minimum=None)
-        if os_calls is not None and not isinstance(os_calls, OsCalls):
-            raise TypeError(f"os_calls must be an OsCalls, got {type(os_calls).__name__}")
-        if persist is not None and not isinstance(persist, Persist):
-            raise TypeError(f"persist must be a kvoffload.persist.Persist, got {type(persist).__name__}")
-        if persist is not None and not encrypt:
-            raise ValueError("persist needs encrypt=True: a kept file must hold nothing but ciphertext")
-        missing = [m for m in _DEVICE_METHODS if device_impl is not None and not callable(getattr(device_impl, m, None))]
-        if missing:
-            raise TypeError(f"device_impl {type(device_impl).__name__} lacks {', '.join(missing)} (see device.Device)")
-        layout = BlockLayout.from_caches(gpu_caches)
-        if layout.block_bytes != total_block_bytes:
-            raise ValueError(
-                f"total_block_bytes={total_block_bytes} but the caches hold "
-                f"{layout.block_bytes} bytes per block (sum of stride(0) * element_size())"
-            )
-        if num_disk_slots < len(paths):
-            raise ValueError(f"num_disk_slots={num_disk_slots} is fewer than the {len(paths)} disk paths")
-        budget = capacity_bytes if capacity_bytes is not None else num_disk_slots * total_block_bytes
-        _positive_int("capacity_bytes", budget)
-        device = resolve_device(device)
-        osc = os_calls if os_calls is not None else OsCalls()
-        seal = make_seal(encrypt, checksums)
-        # Disk and host memory for what follows, before any of it is made: per-slot
-        # records (all slots valid) and pinned staging (3 buffers a thread and path).
-        slot = slot_bytes_for(total_block_bytes, MIN_DIRECT_ALIGNMENT, use_page_cache)
-        staging = sum(3 * threads * (unit_rows(io_unit_bytes, slot, file_slots(num_disk_slots, len(paths), i),
-                                               layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
-                      for i in range(len(paths)))
-        budget_check(osc, f"num_disk_slots={num_disk_slots}", paths, num_disk_slots, total_block_bytes,
-                     use_page_cache, num_disk_slots * slot_state_bytes(seal.name, persist is not None) + staging,
-                     persist=persist is not None)
-        make_engine, io_path = choose_engine(seal.name, native_io)  # the one choice
-        dev = device_impl if device_impl is not None else make_device(device)
-        run = Run(osc, dev, layout, num_disk_slots, seal, report_load_errors, threads, IoMetrics(len(paths)),
-                  io_unit_bytes)
+        plan = _Plan.check(gpu_caches, device, disk_path, disk_paths, num_disk_slots, total_block_bytes,
+                           num_buffer_slots, use_page_cache, capacity_bytes, encrypt, checksums,
+                           report_load_errors, io_threads, io_unit_bytes, named_file, join_timeout,
+                           start_timeout, os_calls, device_impl, native_io, prefill, persist)
+        make_engine, io_path = choose_engine(plan.seal.name, plan.native_io)  # the one choice
+        dev = device_impl if device_impl is not None else make_device(plan.device)
+        run = Run(plan.osc, dev, plan.layout, num_disk_slots, plan.seal, report_load_errors, plan.threads,
+                  IoMetrics(len(plan.paths)), plan.io_unit_bytes)
         run.io_path_detail = io_path
         run.streams = {True: store_stream, False: load_stream}
         try:
             # Published first, so an exception at any later line (an interrupt too)
             # finds everything made so far through self._run and shutdown() frees it.
             self._run = run
-            self._join_timeout = join_timeout
-            if persist is not None:
-                run.pool = Pool(osc, persist, paths, num_disk_slots, total_block_bytes, use_page_cache,
-                                _layout_fingerprint(layout))
-                run.pool.open(run.files, max_slot_bytes=budget // num_disk_slots, prefill=prefill)
-                self._restore(run)
-            for i, p in enumerate(paths[len(run.files):], start=len(run.files)):
-                # Slot s of the whole pool lives in file s % n at index s // n.
-                run.files.append(SlotFile.create(osc, p, file_slots(num_disk_slots, len(paths), i),
-                                                 total_block_bytes, use_page_cache, named_file,
-                                                 max_slot_bytes=budget // num_disk_slots, prefill=prefill))
-            devices = [block_device.of_device(osc.fstat(f.fd).st_dev) for f in run.files]
+            self._join_timeout = plan.join_timeout
+            self._open_files(run, plan, persist)
+            devices = [block_device.of_file(plan.osc, f.fd) for f in run.files]
             run.metrics.watch_devices(devices)
-            run.start(make_engine(run), start_timeout)
+            run.start(make_engine(run), plan.start_timeout)
             run.metrics.info = {
-                "capacity_bytes": budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
-                "staging_bytes": self._staging_bytes(run), "io_threads": threads, "paths": len(paths),
+                "capacity_bytes": plan.budget, "slots": num_disk_slots, "slot_bytes": run.files[0].slot_bytes,
+                "staging_bytes": self._staging_bytes(run), "io_threads": plan.threads, "paths": len(plan.paths),
                 "seal": run.seal.name, "io": "page_cache" if use_page_cache else "o_direct",
                 "io_path": run.engine.name,
             }
             # Dropped without shutdown(): stop the threads and free the files anyway.
             self._finalizer = weakref.finalize(self, _retire, run)
             # Inside the try too: an init that raises, even from here, leaves nothing.
-            # The topology as realised: what an operator checks first when a figure looks wrong.
-            logger.info(
-                "kvoffload DiskBackend: %d slots of %d B on %s; IO path %s, %d workers per lane, %d MiB units, "
-                "%.0f MiB pinned staging, %s, %s, %s",
-                num_disk_slots, total_block_bytes,
-                "; ".join(f"{p} ({block_device.describe(d)})" for p, d in zip(paths, devices)),
-                io_path, threads, io_unit_bytes >> 20, self._staging_bytes(run) / 2**20, run.seal.label,
-                "page cache" if use_page_cache else "O_DIRECT",
-                "nothing kept at exit" if run.pool is None else
-                f"persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
-                f"{sum(run.restored.refused.values())} refused)",
-            )
+            self._log_topology(run, plan, devices, io_path)
         except BaseException:
             self.shutdown()
             raise
+
+    def _open_files(self, run: Run, plan: "_Plan", persist: Optional[Persist]) -> None:
+        """Each path's slot file: a persistent pool's, opened and checked (its records
+        restored), or a new anonymous one. Each is in ``run.files`` as soon as it is open."""
+        n, paths = run.num_slots, plan.paths
+        if persist is not None:
+            run.pool = Pool(plan.osc, persist, paths, n, plan.layout.block_bytes, plan.use_page_cache,
+                            _layout_fingerprint(plan.layout))
+            run.pool.open(run.files, max_slot_bytes=plan.budget // n, prefill=plan.prefill)
+            self._restore(run)
+        for i, p in enumerate(paths[len(run.files):], start=len(run.files)):
+            # Slot s of the whole pool lives in file s % n at index s // n.
+            run.files.append(SlotFile.create(plan.osc, p, file_slots(n, len(paths), i), plan.layout.block_bytes,
+                                             plan.use_page_cache, plan.named_file, max_slot_bytes=plan.budget // n,
+                                             prefill=plan.prefill))
+
+    def _log_topology(self, run: Run, plan: "_Plan", devices: list, io_path: str) -> None:
+        """The start-up line: the topology as realised, what an operator checks first when a
+        figure looks wrong."""
+        logger.info(
+            "kvoffload DiskBackend: %d slots of %d B on %s; IO path %s, %d workers per lane, %d MiB units, "
+            "%.0f MiB pinned staging, %s, %s, %s",
+            run.num_slots, plan.layout.block_bytes,
+            "; ".join(f"{p} ({block_device.describe(d)})" for p, d in zip(plan.paths, devices)),
+            io_path, plan.threads, plan.io_unit_bytes >> 20, self._staging_bytes(run) / 2**20, run.seal.label,
+            "page cache" if plan.use_page_cache else "O_DIRECT",
+            "nothing kept at exit" if run.pool is None else
+            f"persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
+            f"{sum(run.restored.refused.values())} refused)",
+        )
 
     def launch_copy(
         self,
@@ -442,6 +403,92 @@ def _layout_fingerprint(layout: BlockLayout) -> dict[str, Any]:
     are packed into a slot (the caller's fingerprint names the model, dtype and rank)."""
     packing = ",".join(f"{o}:{t.shape[1]}" for o, t in zip(layout.offsets, layout.caches))
     return {"tensors": len(layout.offsets), "packing": hashlib.sha256(packing.encode()).hexdigest()[:16]}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """``init``'s arguments, every one checked (each error naming its keyword) and the
+    defaults filled in, before anything is made; and the disk and host memory the pool
+    will take checked against what there is."""
+
+    paths: list[str]
+    device: torch.device
+    layout: BlockLayout
+    threads: int
+    io_unit_bytes: int
+    budget: int
+    use_page_cache: bool
+    named_file: bool
+    prefill: bool
+    native_io: Optional[bool]
+    join_timeout: float
+    start_timeout: float
+    osc: OsCalls
+    seal: Any
+
+    @classmethod
+    def check(cls, gpu_caches: dict[str, torch.Tensor], device: Any, disk_path: Any, disk_paths: Any,
+              num_disk_slots: Any, total_block_bytes: Any, num_buffer_slots: Any, use_page_cache: Any,
+              capacity_bytes: Any, encrypt: Any, checksums: Any, report_load_errors: Any, io_threads: Any,
+              io_unit_bytes: Any, named_file: Any, join_timeout: Any, start_timeout: Any, os_calls: Any,
+              device_impl: Any, native_io: Any, prefill: Any, persist: Any) -> "_Plan":
+        paths = _disk_paths(disk_path, disk_paths)
+        _positive_int("num_buffer_slots", num_buffer_slots)
+        threads = _positive_int("io_threads", io_threads if io_threads is not None
+                                else default_io_threads(len(paths), num_buffer_slots))
+        io_unit_bytes = _positive_int("io_unit_bytes", io_unit_bytes if io_unit_bytes is not None
+                                      else default_io_unit_bytes(len(paths), threads))
+        _positive_int("num_disk_slots", num_disk_slots)
+        _positive_int("total_block_bytes", total_block_bytes)
+        for name, flag in (("use_page_cache", use_page_cache), ("encrypt", encrypt), ("checksums", checksums),
+                           ("report_load_errors", report_load_errors), ("named_file", named_file),
+                           ("prefill", prefill)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if native_io is not None and not isinstance(native_io, (bool, str)):
+            raise TypeError(f"native_io must be a bool, None or on/off/auto, got {native_io!r}")
+        native_io = parse_choice(native_io, "native_io")
+        if native_io is None:
+            native_io = from_environment()
+        # shutdown() computes a deadline from join_timeout: a string here would fail
+        # only there, after the threads and files exist.
+        join_timeout = _seconds("join_timeout", join_timeout, minimum=0.0)
+        start_timeout = _seconds("start_timeout", start_timeout, minimum=None)
+        if os_calls is not None and not isinstance(os_calls, OsCalls):
+            raise TypeError(f"os_calls must be an OsCalls, got {type(os_calls).__name__}")
+        if persist is not None and not isinstance(persist, Persist):
+            raise TypeError(f"persist must be a kvoffload.persist.Persist, got {type(persist).__name__}")
+        if persist is not None and not encrypt:
+            raise ValueError("persist needs encrypt=True: a kept file must hold nothing but ciphertext")
+        missing = [m for m in _DEVICE_METHODS if device_impl is not None and not callable(getattr(device_impl, m, None))]
+        if missing:
+            raise TypeError(f"device_impl {type(device_impl).__name__} lacks {', '.join(missing)} (see device.Device)")
+        layout = BlockLayout.from_caches(gpu_caches)
+        if layout.block_bytes != total_block_bytes:
+            raise ValueError(
+                f"total_block_bytes={total_block_bytes} but the caches hold "
+                f"{layout.block_bytes} bytes per block (sum of stride(0) * element_size())"
+            )
+        if num_disk_slots < len(paths):
+            raise ValueError(f"num_disk_slots={num_disk_slots} is fewer than the {len(paths)} disk paths")
+        budget = capacity_bytes if capacity_bytes is not None else num_disk_slots * total_block_bytes
+        _positive_int("capacity_bytes", budget)
+        plan = cls(paths, resolve_device(device), layout, threads, io_unit_bytes, budget, use_page_cache,
+                   named_file, prefill, native_io, join_timeout, start_timeout,
+                   os_calls if os_calls is not None else OsCalls(), make_seal(encrypt, checksums))
+        plan.check_budget(num_disk_slots, persist is not None)
+        return plan
+
+    def check_budget(self, num_slots: int, persist: bool) -> None:
+        """Disk and host memory for what ``init`` makes, before any of it is made: per-slot
+        records (all slots valid) and pinned staging (3 buffers a thread and path)."""
+        slot = slot_bytes_for(self.layout.block_bytes, MIN_DIRECT_ALIGNMENT, self.use_page_cache)
+        staging = sum(3 * self.threads * (unit_rows(self.io_unit_bytes, slot, file_slots(num_slots, len(self.paths), i),
+                                                    self.layout.num_blocks) * slot + MIN_DIRECT_ALIGNMENT)
+                      for i in range(len(self.paths)))
+        budget_check(self.osc, f"num_disk_slots={num_slots}", self.paths, num_slots, self.layout.block_bytes,
+                     self.use_page_cache, num_slots * slot_state_bytes(self.seal.name, persist) + staging,
+                     persist=persist)
 
 
 def _disk_paths(disk_path: Any, disk_paths: Any) -> list[str]:

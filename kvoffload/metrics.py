@@ -32,7 +32,7 @@ INFO_LABELS = ("capacity_bytes", "slots", "slot_bytes", "staging_bytes", "io_thr
 
 # A job is one launch_copy: up to a scheduler step's blocks, queueing included.
 JOB_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# A unit's pwritev/preadv calls: up to io_unit_bytes (16 MiB, the tier's too).
+# A unit's pwritev/preadv calls: up to io_unit_bytes (by default at most 8 MiB).
 UNIT_IO_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                            1.0, 2.5)
 

@@ -44,7 +44,6 @@ class UnitArrays:
         self.tag = np.zeros((rows, 16), np.uint8)
         self.status = np.zeros(rows, np.int32)
         self.err = np.zeros(rows, np.int32)
-        self.cut = np.zeros(rows, np.uint8)
         self.slots = ffi.new("kvo_slots *")
         for name, field in ffi.typeof("kvo_slots").fields:
             setattr(self.slots, name, ffi.cast(field.type, getattr(self, name).ctypes.data))

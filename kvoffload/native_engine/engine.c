@@ -36,7 +36,6 @@ typedef struct {
     int made, reaped;
     uint64_t *dsts, *srcs, *sizes; /* rows x tensors: one copy's pieces */
     uint64_t *buf, *payload;       /* rows: the unit's buffers */
-    uint8_t *cut;                  /* rows of zeros: an engine never batches units */
     kvo_unit u;
     kvo_slots s;
     kvo_qunit *cur; /* the unit whose file calls run now (for io_through_python) */
@@ -124,7 +123,6 @@ static void prepare(worker_t *w, kvo_qunit *q, int b) {
     s->tag = j->tag + (size_t)f * KVO_TAG_BYTES;
     s->status = j->status + f;
     s->err = j->err + f;
-    s->cut = w->cut;
     kvo_unit *u = &w->u;
     u->fd = l->fd;
     u->n = q->n;
@@ -500,8 +498,7 @@ int kvo_engine_worker(kvo_engine *e, int worker, int lane, uint64_t stage0, uint
     w->stage[1] = stage1;
     w->buf = calloc((size_t)rows, sizeof *w->buf);
     w->payload = calloc((size_t)rows, sizeof *w->payload);
-    w->cut = calloc((size_t)rows, 1);
-    return w->buf != NULL && w->payload != NULL && w->cut != NULL ? 0 : ENOMEM;
+    return w->buf != NULL && w->payload != NULL ? 0 : ENOMEM;
 }
 
 void kvo_engine_plan(kvo_engine *e, int worker, kvo_plan *plan) {
@@ -649,7 +646,6 @@ void kvo_engine_free(kvo_engine *e) {
         free(w->sizes);
         free(w->buf);
         free(w->payload);
-        free(w->cut);
     }
     for (int i = 0; i < e->nlanes; i++)
         pthread_cond_destroy(&e->lanes[i].work);

@@ -53,9 +53,6 @@ typedef struct {
     uint8_t *tag;       /* KVO_TAG_BYTES per slot: stores write it, loads check it */
     int32_t *status;    /* out: KVO_* (must come in as KVO_OK) */
     int32_t *err;       /* out: errno of the call that failed the slot (0: none) */
-    uint8_t *cut;       /* nonzero: no file call continues into this slot from the one before
-                         * (where a batch's next unit starts: each unit keeps the calls it would
-                         * have made alone, so one fault hits the same slots) */
 } kvo_slots;
 
 /* One call's unit (or batch of units). */

@@ -22,7 +22,7 @@ int64_t kvo_now_ns(void) {
 
 int kvo_run_end(const kvo_unit *u, const kvo_slots *s, int j, int end) {
     int j1 = j + 1;
-    while (j1 < end && j1 - j < u->max_run && s->status[j1] == KVO_OK && !s->cut[j1] &&
+    while (j1 < end && j1 - j < u->max_run && s->status[j1] == KVO_OK &&
            s->file_off[j1] == s->file_off[j1 - 1] + u->slot_bytes)
         j1++;
     return j1;
