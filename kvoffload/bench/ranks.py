@@ -128,38 +128,56 @@ def _rank_body(rank: int, a: dict, barrier) -> dict:
             idx += 2
             for _, ev in events:
                 ev.synchronize()
-            failed = b.get_failed_store_slots()
-            ok_pairs = [(s, blk) for s, blk in zip(free, src) if s not in failed]
-            valid[list(failed)] = False  # unknown content: a later load must fail, not return it
-            if ok_pairs:
-                slots_t = torch.as_tensor([s for s, _ in ok_pairs], device=device)
-                blocks_t = torch.as_tensor([blk for _, blk in ok_pairs], device=device)
-                for name, t in caches.items():
-                    mirror[name].index_copy_(0, slots_t, t.index_select(0, blocks_t))
-                valid[[s for s, _ in ok_pairs]] = True
-            st["store_jobs"] += 1
-            st["failed_stores"] += len(failed)
-            st["bytes_stored"] += len(ok_pairs) * block_bytes
+            _mirror_stores(b, st, caches, mirror, valid, free, src, block_bytes)
             if load_slots:
-                errs = b.get_block_ids_with_load_errors()
-                st["load_jobs"] += 1
-                st["load_errors"] += len(errs)
-                good = [(s, blk) for s, blk in zip(load_slots, dst_blocks) if blk not in errs]
-                if good:
-                    slots_t = torch.as_tensor([s for s, _ in good], device=device)
-                    blocks_t = torch.as_tensor([blk for _, blk in good], device=device)
-                    same = torch.ones(len(good), dtype=torch.bool, device=device)
-                    for name, t in caches.items():
-                        same &= (t.index_select(0, blocks_t) == mirror[name].index_select(0, slots_t)).all(dim=1)
-                    st["blocks_verified"] += len(good)
-                    st["mismatches"] += int((~same).sum())
-                    st["bytes_loaded"] += len(good) * block_bytes
+                _check_loads(b, st, caches, mirror, load_slots, dst_blocks, block_bytes)
         st["seconds"] = time.perf_counter() - t0
     finally:
         b.shutdown()
     st["faults_fired"] = osc.fired_total() if osc is not None else 0
     st["warnings_logged"] = warned.count
     return st
+
+
+def _mirror_stores(b, st: dict, caches: dict, mirror: dict, valid, slots: list, blocks: list,
+                   block_bytes: int) -> None:
+    """Copy what each successful store wrote into ``mirror`` (what its slot must hold now);
+    a failed store's slot holds unknown content: a later load must fail, not return it."""
+    import torch
+
+    failed = b.get_failed_store_slots()
+    ok_pairs = [(s, blk) for s, blk in zip(slots, blocks) if s not in failed]
+    valid[list(failed)] = False
+    if ok_pairs:
+        device = next(iter(caches.values())).device
+        slots_t = torch.as_tensor([s for s, _ in ok_pairs], device=device)
+        blocks_t = torch.as_tensor([blk for _, blk in ok_pairs], device=device)
+        for name, t in caches.items():
+            mirror[name].index_copy_(0, slots_t, t.index_select(0, blocks_t))
+        valid[[s for s, _ in ok_pairs]] = True
+    st["store_jobs"] += 1
+    st["failed_stores"] += len(failed)
+    st["bytes_stored"] += len(ok_pairs) * block_bytes
+
+
+def _check_loads(b, st: dict, caches: dict, mirror: dict, slots: list, blocks: list, block_bytes: int) -> None:
+    """Compare every block a load reported good with what its slot must hold."""
+    import torch
+
+    errs = b.get_block_ids_with_load_errors()
+    st["load_jobs"] += 1
+    st["load_errors"] += len(errs)
+    good = [(s, blk) for s, blk in zip(slots, blocks) if blk not in errs]
+    if good:
+        device = next(iter(caches.values())).device
+        slots_t = torch.as_tensor([s for s, _ in good], device=device)
+        blocks_t = torch.as_tensor([blk for _, blk in good], device=device)
+        same = torch.ones(len(good), dtype=torch.bool, device=device)
+        for name, t in caches.items():
+            same &= (t.index_select(0, blocks_t) == mirror[name].index_select(0, slots_t)).all(dim=1)
+        st["blocks_verified"] += len(good)
+        st["mismatches"] += int((~same).sum())
+        st["bytes_loaded"] += len(good) * block_bytes
 
 
 def raw_ceiling(directory: str, block_bytes: int, mib: int, seconds: float) -> dict:
