@@ -712,3 +712,17 @@ def test_persist_keys_are_checked_together(extra, match):
     ok = OffloadConfig.from_extra_config({"kv_offload_backend": "disk", "disk_path": "/tmp/kv", "persist": True,
                                           "persist_key_env": "K"})
     assert ok.persist.enabled and ok.persist.key_env == "K" and ok.backend_kwargs().keys().isdisjoint({"persist"})
+
+
+def test_a_refusal_names_the_class_where_operators_import_it():
+    # vLLM's engine logs the worker's exception as "module.Class: message"; the operator
+    # (and test_engine_persist) look for kvoffload.persist.PersistError, whichever room of
+    # the package raised it.
+    import traceback
+
+    try:
+        read_operator_key(key_env="KVOFFLOAD_TEST_KEY_NOT_SET")
+    except PersistError as e:
+        assert traceback.format_exception_only(e)[0].startswith("kvoffload.persist.PersistError: ")
+    else:
+        raise AssertionError("no refusal")

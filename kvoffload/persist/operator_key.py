@@ -24,6 +24,11 @@ class PersistError(ValueError):
     Nothing was changed on disk."""
 
 
+# Its name in logs and tracebacks is the package's, where callers import it from: a
+# refusal reads "kvoffload.persist.PersistError: ..." whichever module raised it.
+PersistError.__module__ = "kvoffload.persist"
+
+
 @dataclass(frozen=True)
 class Persist:
     """``DiskBackend.init(persist=...)``: the operator's key and what the KV is of.
