@@ -4,7 +4,7 @@ The backend never calls CUDA directly. ``CudaDevice`` (``cuda_device.py``) drive
 real streams and events; ``CpuDevice`` runs the same pipeline on CPU tensors (CI
 exercises the real file path with it, it is not a mock); ``faults.SimDevice``
 completes copies when a test says; ``HostDevice`` is for blocks that are host memory
-in deployment (vLLM's CPU tier, ``vllm_tier.py``). All implement ``Device``.
+in deployment (vLLM's CPU tier, ``vllm_slot_tier.py``). All implement ``Device``.
 
 Copies move whole blocks between the device caches and a host buffer viewed as
 ``[rows, slot_bytes]``: block ``block_ids[j]`` of every cache tensor lands in row
@@ -165,7 +165,7 @@ class HostDevice(CpuDevice):
     allows it (the blocks' address and size multiples of the file's alignment): a
     load reads a slot into its block and opens it there, a store whose disk form is
     the payload (checksums) writes from the block. No staging at all for those. Off by
-    default (``vllm_tier.TierConfig.direct_io`` says why).
+    default (``vllm_slot_tier.TierConfig.direct_io`` says why).
     """
 
     def __init__(self, direct_io: bool = False) -> None:

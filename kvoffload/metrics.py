@@ -6,7 +6,7 @@ unit and once per job: no object per block, nothing that grows while nobody read
 payload, ``{"types": {name: kind}, "data": {name: {label values: value}}}`` (the format
 of vLLM's ``SimpleCPUOffloadStats`` and ``OffloadingConnectorStats``), so one payload
 serves ``KvoffloadConnector`` (``vllm.py``) and the tier under vLLM's
-``OffloadingConnector`` (``vllm_tier.py``). Nothing here imports vLLM or prometheus_client.
+``OffloadingConnector`` (``vllm_slot_tier.py``). Nothing here imports vLLM or prometheus_client.
 """
 
 from __future__ import annotations
