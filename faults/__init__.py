@@ -50,6 +50,7 @@ from faults._invariants import (
     fd_table,
     fs_type,
     kvoffload_threads,
+    private_tempdir,
     wait_threads_gone,
 )
 from faults._model import ABSENT, INVALID, KvChecker, Maybe, block_data, make_caches
@@ -71,6 +72,6 @@ __all__ = [
     "Fired", "InjectedOSError", "KvChecker", "Ledger", "LineInterrupt", "Maybe", "Op", "PinWatch", "SymlinkRace",
     "Tamper", "Victim", "Where",
     "assert_dir_clean", "assert_mode_0600", "block_data", "fd_table", "fs_type", "injected_error",
-    "is_injected", "kvoffload_threads", "make_caches", "plant_symlink", "run_point", "run_workload", "standard_workload",
-    "sweep", "sweep_all", "sweep_lines", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
+    "is_injected", "kvoffload_threads", "make_caches", "plant_symlink", "private_tempdir", "run_point", "run_workload",
+    "standard_workload", "sweep", "sweep_all", "sweep_lines", "symlinked_parent", "wait_threads_gone", "world_writable_dir",
 ]

@@ -3,7 +3,10 @@
 Prints a table by call site, or with ``--json`` one JSON object
 ``{"points", "survived", "hangs", "lost_completions", "wrong_data", "leaked_files",
 "leaked_fds", "seconds"}``; each broken point is described on stderr. Exit code 0
-when every point survived, 1 otherwise, 2 on a usage error (one line on stderr).
+when every point survived, 1 otherwise, 2 on a usage error (one line on stderr), 130
+on Ctrl-C (one line on stderr, the point under way finished and the sweep's
+directory removed). On a terminal a line on stderr shows where the sweep is; into a
+pipe nothing but the result is written.
 """
 
 from __future__ import annotations
@@ -55,10 +58,14 @@ def _run(argv: list[str] | None) -> int:
     a = build_parser().parse_args(argv)
     # The backend logs every injected failure; only errors are worth showing here.
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
-    with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvoffload-sweep-") as d:
+    # A point still running after its timeout (a hang) may hold files in it: the directory
+    # goes as far as it can, and an error there does not hide the sweep's result or Ctrl-C.
+    with tempfile.TemporaryDirectory(dir=a.dir, prefix="kvoffload-sweep-", ignore_cleanup_errors=True) as d, \
+            cli_args.Progress(PROG) as progress:
         os.chmod(d, 0o700)
         report = sweep_all(Path(d), a.calls, [FILE_MODES[m] for m in a.file_modes], [IO[m] for m in a.io],
-                           [KINDS[k] for k in a.kinds], workloads=a.workloads)
+                           [KINDS[k] for k in a.kinds], workloads=a.workloads,
+                           progress=lambda text: progress(f"sweep: {text}"))
     for line in report.failures:
         print(line, file=sys.stderr)
     print(json.dumps(report.summary()) if a.json else report.table())

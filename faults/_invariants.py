@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import shutil
 import stat
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -125,6 +128,30 @@ def dir_entries(directory: Path, allow: Iterable[str] = ()) -> list[str]:
 def assert_dir_clean(directory: Path, allow: Iterable[str] = ()) -> None:
     left = dir_entries(directory, allow)
     expect(not left, "leaked_files", f"file(s) left in {directory}: {left}")
+
+
+@contextlib.contextmanager
+def private_tempdir(prefix: str = "kvoffload-tests-") -> Iterator[Path]:
+    """Inside, ``tempfile`` (and, through ``TMPDIR``, any child process) makes its files in
+    a new private directory, which must be empty on leaving: whatever code left there
+    would have been left in /tmp. The directory is removed either way. Leaked entries are
+    named by the time they are found, not by who made them, so a check per test module
+    or session is as fine-grained as it gets; the shared /tmp itself is never compared,
+    as other processes use it at the same time."""
+    before = tempfile.tempdir, os.environ.get("TMPDIR")
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    tempfile.tempdir, os.environ["TMPDIR"] = str(d), str(d)
+    try:
+        yield d
+    finally:
+        tempfile.tempdir = before[0]
+        if before[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before[1]
+        left = dir_entries(d)
+        shutil.rmtree(d, ignore_errors=True)
+    expect(not left, "leaked_files", f"left in the temporary directory: {left}")
 
 
 def assert_mode_0600(fd: int) -> None:

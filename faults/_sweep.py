@@ -19,7 +19,7 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -292,18 +292,26 @@ def _judged(body, timeout: float) -> tuple[Optional[str], str]:
 
     t = threading.Thread(target=run, name="faults-sweep-point", daemon=True)
     t.start()
-    t.join(timeout)
+    try:
+        t.join(timeout)
+    except KeyboardInterrupt:
+        # Ctrl-C: the point's backend has threads and files in the sweep's directory. It
+        # ends first (within ``timeout``, as a point is judged), so the directory is
+        # removed after it, not under it.
+        t.join(timeout)
+        raise
     return result[0] if result else ("hangs", f"still running after {timeout} s")
 
 
 def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Iterable[bool] = (False, True),
               page_cache: Iterable[bool] = (False, True), persistent: Iterable[bool] = (False, True),
-              limit: int = 200, timeout: float = 120.0, workloads: Iterable[str] = WORKLOADS) -> SweepReport:
+              limit: int = 200, timeout: float = 120.0, workloads: Iterable[str] = WORKLOADS,
+              progress: Optional[Callable[[str], None]] = None) -> SweepReport:
     """Every call site (of ``calls``) x its faults x N = 1.. until unreached, under every
     combination asked for, for each of ``workloads`` (``standard``: the standard workload,
     in each file mode; ``restart``: a persistent pool's store-then-restart cycle, whose
     files are named); each point in a fresh subdirectory of ``directory``. A call site's
-    row counts its points in both."""
+    row counts its points in both. ``progress`` is told where the sweep is before each point."""
     from faults._restart import BOTH_IO, RESTART_SITES, restart_point
 
     wanted = list(dict.fromkeys([*SITES, *RESTART_SITES])) if calls is None else list(calls)
@@ -314,10 +322,18 @@ def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Ite
     report = SweepReport()
     t0 = time.monotonic()
     dirs = itertools.count()
-    for call in wanted:
+
+    def where(i: int, call: str) -> None:
+        if progress is not None:
+            broken = report.points - report.survived
+            progress(f"call site {i} of {len(wanted)} ({call}): {report.points} points, "
+                     f"{broken} broken, {time.monotonic() - t0:.0f} s")
+
+    for i, call in enumerate(wanted, 1):
         for fault, pers, nm, pc in itertools.product(SITES.get(call, []) if "standard" in workloads else [],
                                                      persistent, named, page_cache):
             for n in range(1, limit + 1):
+                where(i, call)
                 d = directory / f"p{next(dirs)}"
                 d.mkdir(mode=0o700)
                 reached, kind, what = _judged_point(d, nm, call, n, fault, pers, pc, timeout)
@@ -332,6 +348,7 @@ def sweep_all(directory: Path, calls: Optional[Iterable[str]] = None, named: Ite
             if pc and call not in BOTH_IO:
                 continue
             for n in range(1, limit + 1):
+                where(i, call)
                 reached = [True]
 
                 def body() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from faults._invariants import TMPFS_MAGIC, FdWatch, Ledger, fs_type
+from faults._invariants import TMPFS_MAGIC, FdWatch, Ledger, fs_type, private_tempdir
 from faults._seam import FaultyOsCalls
 
 _SEED_KEY = pytest.StashKey[int]()
@@ -93,6 +93,16 @@ def fd_guard():
         watch.check()
     finally:
         watch.close_declared()
+
+
+@pytest.fixture(scope="module")
+def nothing_left_in_tmp(tmp_path_factory):
+    """The module's temporary files go in a private directory that must be empty when the
+    module ends (``private_tempdir``); pytest's own ``tmp_path`` stays where it is. Use
+    ``pytestmark = pytest.mark.usefixtures("nothing_left_in_tmp")``."""
+    tmp_path_factory.getbasetemp()  # made now, so it is not made in the private directory
+    with private_tempdir() as d:
+        yield d
 
 
 @pytest.fixture

@@ -7,6 +7,12 @@ anything is made: no file, no half-written output, no loop device. Checks are ob
 whose fields say what they accept, which is what the CLI property tests generate
 argument lists from. Input files are read with ``read_lines`` and ``read_json``,
 whose errors name the file and the line. Never imports torch (kvsim uses it).
+
+Ctrl-C is one line too: ``main`` turns the first SIGINT into a ``KeyboardInterrupt``
+that unwinds the command (its ``finally`` blocks and context managers remove its
+files and directories), ignores any further one so that cleanup is not cut short, and
+ends with ``PROG: interrupted`` on stderr and exit code 130. ``Progress`` is the one
+line that long work rewrites on a terminal, and writes nothing into a pipe.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import json.scanner
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -35,6 +44,10 @@ from kvoffload.config import MAX_SIZE, parse_size
 EXIT_USAGE = 2
 # As a shell reports a command killed by SIGPIPE (128 + 13): its reader left before the end.
 EXIT_BROKEN_PIPE = 141
+# As a shell reports a command killed by SIGINT (128 + 2): Ctrl-C.
+EXIT_INTERRUPTED = 130
+# Columns of output that is not a terminal (a pipe, a file), unless COLUMNS says otherwise.
+PIPE_WIDTH = 100
 # Threads per lane (or per tier direction) a flag may ask for: far more than any host has
 # cores, and few enough that a mistyped 1000000 is refused rather than started.
 MAX_IO_THREADS = 1024
@@ -99,9 +112,14 @@ class Parser(argparse.ArgumentParser):
 def main(prog: str, run: Callable[[], int], errors: tuple[type[BaseException], ...] = ()) -> int:
     """``run()``'s exit code, or 2 after one line ``PROG: error: ...`` on stderr for a
     ``UsageError`` or one of ``errors`` (the input errors a command names, such as a bad
-    trace record)."""
+    trace record), or 130 after one line ``PROG: interrupted`` on Ctrl-C (SIGINT), once
+    everything ``run`` was inside has unwound: its files are removed by then."""
+    restore = _interrupt_once()
     try:
         return run()
+    except KeyboardInterrupt as e:
+        print(f"{prog}: interrupted" + (f" ({one_line(e)})" if str(e) else ""), file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader of stdout left (``| head``): not an error of the command's. Python's
         # own flush of stdout at exit would raise again, so stdout goes to /dev/null.
@@ -110,6 +128,93 @@ def main(prog: str, run: Callable[[], int], errors: tuple[type[BaseException], .
     except (UsageError, *errors) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        restore()
+
+
+def _interrupt_once() -> Callable[[], None]:
+    """Until the function returned is called, the first SIGINT raises ``KeyboardInterrupt``
+    (as Python's own handler does) and every later one is ignored: a second Ctrl-C would
+    otherwise land in the cleanup the first one started and leave files behind (Ctrl-\\
+    still quits at once). Nothing changes off the main thread, or where SIGINT is not
+    Python's default handler (ignored, as in a job started with ``&``, or the caller's)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        return lambda: None
+
+    def interrupted(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def output_width(file: Any = None) -> int:
+    """Columns a table written to ``file`` (stdout by default) may fill: COLUMNS when set,
+    else the terminal's, else ``PIPE_WIDTH``."""
+    file = sys.stdout if file is None else file
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) >= 20:
+        return int(cols)
+    try:
+        if file.isatty():
+            cols_now = os.get_terminal_size(file.fileno()).columns
+            if cols_now >= 20:  # a pseudo-terminal nobody sized says 0
+                return cols_now
+    except (AttributeError, OSError, ValueError):
+        pass
+    return PIPE_WIDTH
+
+
+class Progress:
+    """One line on stderr that long work rewrites in place (``progress("storing 10/40 MiB")``),
+    only where stderr is a terminal: into a pipe or a file nothing is written, so output
+    there is the command's own. A new ``phase`` is shown at once, updates within it at most
+    every ``interval`` seconds. The line is erased on leaving the ``with`` block, however
+    it is left, so what follows (a result, an error, ``interrupted``) starts on a clean line."""
+
+    def __init__(self, prog: str, stream: Any = None, interval: float = 0.2) -> None:
+        self.prog = prog
+        self.stream = sys.stderr if stream is None else stream
+        try:
+            self.on = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            self.on = False
+        self.interval = interval
+        self.phase: Optional[str] = None
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, text: str, phase: Optional[str] = None) -> None:
+        if not self.on:
+            return
+        now = time.monotonic()
+        if phase == self.phase and now - self.last < self.interval:
+            return
+        self.phase, self.last = phase, now
+        line = f"{self.prog}: {text}"
+        width = output_width(self.stream) - 1  # never the last column: a wrapped line cannot be rewritten
+        self._write("\r\x1b[K" + (line if len(line) <= width else line[: max(0, width - 3)] + "..."))
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self._write("\r\x1b[K")
+            self.shown = False
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # the terminal went away: the work goes on without it
+            self.on = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.clear()
 
 
 @contextlib.contextmanager

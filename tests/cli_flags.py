@@ -8,7 +8,9 @@ huge (10**30 of something: the command must refuse it in one line or cope, never
 A test gives small good values where the default good ones would make a slow run, and
 strategies for its CLI's own custom types; a flag with neither fails the test, so a new
 flag cannot go untested. Each drawn value comes with what it is (good, bad, huge), so a
-test can demand exit 2 for any mistake.
+test can demand exit 2 for any mistake. Flags that exclude each other (an argparse
+mutually exclusive group) appear together only in a list marked bad; rules between
+flags that argparse does not know (a minimum above a maximum) are each test's to model.
 """
 
 from __future__ import annotations
@@ -158,19 +160,33 @@ def arguments(parser: argparse.ArgumentParser, paths: Paths, good: dict[str, st.
         if h is not None:
             kinds.append(h.map(lambda t: (t, HUGE)))
         per_flag[flag] = st.one_of(kinds).map(lambda v, f=flag: [(f"{f}={v[0]}", v[1])])
-    # Flags of one mutually exclusive group are never drawn together: argparse refuses the
-    # pair whatever the values, so a list of good values holding both would not be good.
-    group_of = {max(a.option_strings, key=len): id(g) for g in parser._mutually_exclusive_groups
-                for a in g._group_actions if a.option_strings}
+    # Flags of one mutually exclusive group are drawn together only as a mistake of their
+    # own, a clash (one list in ten where the parser has such a group; each flag given,
+    # a switch on): argparse refuses the pair whatever the values, so a list of good
+    # values holding both is not good.
+    assert not any(g.required for g in parser._mutually_exclusive_groups), (
+        f"{parser.prog}: a required mutually exclusive group; draw one of its flags in every list")
+    groups = [[f for f in (max(a.option_strings, key=len) for a in g._group_actions if a.option_strings)
+               if f in per_flag] for g in parser._mutually_exclusive_groups]
+    group_of = {f: i for i, members in enumerate(groups) for f in members}
+    clashes = [members for members in groups if len(members) > 1]
     chosen = (st.lists(st.sampled_from(sorted(per_flag)), unique_by=lambda f: group_of.get(f, f), max_size=6)
               if per_flag else st.just([]))
+    clash = st.sampled_from(clashes).flatmap(st.permutations).map(lambda m: tuple(m[:2])) if clashes else None
+
+    def present(flag: str) -> st.SearchStrategy[list[Value]]:
+        """The flag given: a switch on, or one drawn value."""
+        return st.just([(flag, GOOD)]) if table[flag] == "switch" else per_flag[flag]
 
     @st.composite
     def draw(draw_: Callable) -> tuple[list[str], str]:
+        # 9, not 0: Hypothesis shrinks towards 0, so a failure shrinks to a list without a clash.
+        pair = draw_(clash) if clash is not None and draw_(st.integers(0, 9)) == 9 else ()
+        flags = [f for f in draw_(chosen) if not pair or group_of.get(f) != group_of[pair[0]]]
         argv: list[str] = []
-        kinds = set()
-        for flag in draw_(chosen):
-            for text, kind in draw_(per_flag[flag]):
+        kinds = {BAD} if pair else set()
+        for strategy in [*(per_flag[f] for f in flags), *(present(f) for f in pair)]:
+            for text, kind in draw_(strategy):
                 argv.append(text)
                 kinds.add(kind)
         return argv, BAD if BAD in kinds else HUGE if HUGE in kinds else GOOD

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 
 from faults.__main__ import build_parser as faults_parser
 from faults.__main__ import main as faults_main
+from kvoffload.__main__ import build_forget_parser
 from kvoffload.__main__ import build_parser as kvoffload_parser
 from kvoffload.__main__ import main as kvoffload_main
 from kvoffload.bench import suite, tier
@@ -32,9 +36,12 @@ from tests.cli_flags import BAD, GOOD, HUGE, Paths, arguments, assert_refused, l
 
 MINI = str(Path(__file__).parent / "kvsim_fixtures" / "mini_mooncake.jsonl")
 BENCH_JSON = str(Path(__file__).parent / "data" / "bench_h200_disk.json")
+# Examples per test: CLI_EXAMPLES=1000 (say) runs every test here with that many, to
+# flush out a wrong model of what a flag list means; the defaults keep the suite quick.
+MORE = int(os.environ.get("CLI_EXAMPLES", "0") or 0)
 # Each example runs in the same directories; the health check would object to the fixture.
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FAST = settings(max_examples=max(40, MORE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SLOW = settings(max_examples=max(15, MORE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 NO_CUDA = [] if torch.cuda.is_available() else ["cuda"]
 
 
@@ -72,13 +79,68 @@ def test_kvoffload(paths, data):
     assert listing(paths.directory) == {str(paths.directory): []}
 
 
+# -- python -m kvoffload forget ----------------------------------------------------------
+
+KEY_HEX = "ab" * 32  # a well-formed operator key; what it verifies is test_persist.py's
+KEY_ENV = "KVOFFLOAD_TEST_FORGET_KEY"
+# What a DISK_PATH names, and whether wiping it is the right answer: only a plain data
+# file with --without-index is (nothing else here is proved a pool).
+TARGETS = ("missing", "directory", "data", "data+garbage index", "garbage index alone")
+
+
+def _forget_files(root: Path, target: str) -> Path:
+    """The files ``target`` describes in ``root``, and the DISK_PATH naming them."""
+    path = root / "pool"
+    if target == "directory":
+        path.mkdir()
+    if target.startswith("data"):
+        path.write_bytes(b"kv" * 2048)
+    if target.endswith("garbage index") or target == "garbage index alone":
+        (root / "pool.index").write_bytes(b"not an index" * 400)
+    return path
+
+
+@FAST
+@given(data=st.data(), target=st.sampled_from(TARGETS))
+def test_kvoffload_forget(paths, data, target, monkeypatch):
+    """forget's flags (--key-file and --key-env exclude each other) and what DISK_PATH names:
+    a mistake anywhere is one line, exit 2, every file as it was; a plain data file with
+    --without-index is wiped and removed, exit 0."""
+    key_file = paths.directory.parent / "key"
+    key_file.write_text(KEY_HEX + "\n")
+    key_file.chmod(0o600)
+    loose_key = paths.directory.parent / "loose-key"  # others may read it: refused
+    loose_key.write_text(KEY_HEX + "\n")
+    loose_key.chmod(0o644)
+    monkeypatch.setenv(KEY_ENV, KEY_HEX)
+    monkeypatch.setenv(KEY_ENV + "_BAD", "not hex")
+    monkeypatch.delenv(KEY_ENV + "_UNSET", raising=False)
+    argv, kind = data.draw(arguments(build_forget_parser(), paths, good={
+        "--key-file": st.just(str(key_file)), "--key-env": st.just(KEY_ENV)}, bad={
+        "--key-file": st.sampled_from([str(paths.missing), str(loose_key), str(paths.file), str(paths.directory)]),
+        "--key-env": st.sampled_from([KEY_ENV + "_BAD", KEY_ENV + "_UNSET", ""])}))
+    root = Path(tempfile.mkdtemp(dir=paths.directory))
+    try:
+        disk_path = _forget_files(root, target)
+        before = {p.name: p.read_bytes() if p.is_file() else None for p in root.iterdir()}
+        r = run(kvoffload_main, ["forget", str(disk_path), *argv])
+        if kind == GOOD and target == "data" and "--without-index" in argv:
+            assert r.rc == 0 and r.err == "" and str(disk_path) in r.out, (argv, r)
+            assert list(root.iterdir()) == [], argv
+        else:
+            assert_refused(r, "python -m kvoffload forget", argv)
+            assert {p.name: p.read_bytes() if p.is_file() else None for p in root.iterdir()} == before, argv
+    finally:
+        shutil.rmtree(root)
+
+
 # -- python -m kvoffload.bench -----------------------------------------------------------
 
 BENCH = dict(
     good={"--layout": st.sampled_from(["big:2x4096", "one:1x1"]), "--dram-streams": st.sampled_from(["1", "1,3"]),
           "--device": st.just("cpu"), "--engine-shares": st.sampled_from(["0.5", "0.25,0.75"]),
-          # Never above --engine-max-repeats, whatever that is drawn as (both at least 3).
-          "--engine-min-repeats": st.just("3")},
+          # Above --engine-max-repeats (drawn or 8) now and then: _bench_rule says so.
+          "--engine-min-repeats": st.integers(3, 10).map(str)},
     bad={"--layout": st.sampled_from(["big", "big:0x4096", "big:2xq", ":2x4096", "a:b:c"]),
          "--dram-streams": st.sampled_from(["0", "1,1", "x", "", "1,-2"]),
          "--device": st.sampled_from(["bogus", *NO_CUDA]),
@@ -88,10 +150,29 @@ BENCH = dict(
 )
 
 
+def _last(argv: list[str], flag: str, default: str) -> str:
+    """The value the last ``FLAG=VALUE`` in ``argv`` gives (argparse keeps the last), or ``default``."""
+    return next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith(f"{flag}=")), default)
+
+
+def _bench_rule(argv: list[str]) -> str | None:
+    """The bench's rule between two flags that a list of good values can break (its others
+    involve --make-array, which is not drawn): what the refusal names, or None."""
+    low, high = int(_last(argv, "--engine-min-repeats", "3")), int(_last(argv, "--engine-max-repeats", "8"))
+    return f"--engine-min-repeats {low} is more than --engine-max-repeats {high}" if low > high else None
+
+
 @FAST
 @given(data=st.data())
 def test_bench(paths, data):
     argv, kind = data.draw(arguments(suite.build_parser(), paths, **BENCH))
+    broken = _bench_rule(argv) if kind != BAD else None
+    if broken:  # refused in one line by the run itself, before anything is made
+        r = run(suite.main, ["--quick", f"--dir={paths.directory}", *argv])
+        assert_refused(r, "python -m kvoffload.bench", argv)
+        assert broken in r.err, (argv, r.err)
+        assert listing(paths.directory) == {str(paths.directory): []}
+        return
     if kind == BAD:
         # --quick first: were a mistake not refused at once, the run would at least be short.
         r = run(suite.main, ["--quick", f"--dir={paths.directory}", *argv])

@@ -3,6 +3,7 @@ drain, and shutdown + re-init, against a dict model of the slot file.
 
 Profiles (faults/plugin.py): ``ci`` (loaded when CI is set) runs 2,000 derandomized
 programs of 15 steps; ``HYPOTHESIS_PROFILE=soak`` runs 20,000 of 60; otherwise 100 of 15.
+Each program's directory is removed at its teardown; ``nothing_left_in_tmp`` checks it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from faults import (
 from kvoffload import DiskBackend
 from kvoffload.slot_file import SlotFileError
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("nothing_left_in_tmp")]
 
 NUM_BLOCKS = 6
 NUM_SLOTS = 8
@@ -56,15 +57,6 @@ FAULTS = [
 ]
 DATA_FAULTS = [f for f in FAULTS if f[0] in ("pwritev", "preadv")]
 
-_BASE: list[Path] = []
-
-
-def _base() -> Path:
-    if not _BASE:
-        _BASE.append(Path(tempfile.mkdtemp(prefix="kvoffload-faults-")))
-    return _BASE[0]
-
-
 pairs = st.lists(
     st.tuples(st.integers(0, NUM_BLOCKS - 1), st.integers(0, NUM_SLOTS - 1)),
     min_size=1, max_size=4, unique_by=(lambda p: p[0], lambda p: p[1]),
@@ -74,14 +66,15 @@ pairs = st.lists(
 class FaultMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(dir=_base()))
-        self.dir.chmod(0o700)
         self.fds = FdWatch()
         self.osc = FaultyOsCalls()
         self.caches = make_caches("cpu", NUM_BLOCKS, [BLOCK], seed=41)
         self.b = None
         self.ck = None
         self.named = False
+        # One private (0700) directory per program, made last here: nothing after it can
+        # fail before teardown removes it. The module's check finds one left behind.
+        self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-faults-"))
 
     # -- lifecycle ----------------------------------------------------------------
 

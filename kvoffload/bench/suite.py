@@ -933,7 +933,7 @@ def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int
             work.append(tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d))
         if cfg.only - {"engine"}:
             got.nbytes = case_size(cfg, work, given, array)
-            print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, cases over >= {cfg.case_seconds:g} s, "
+            print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, {report.per_case(cfg.case_seconds)}, "
                   f"{nruns} run(s), device {cfg.device}", file=sys.stderr)
             for i in range(nruns):
                 b = Bench(cfg, prof, got.drops)

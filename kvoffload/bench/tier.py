@@ -192,8 +192,14 @@ class DirectManager:
     def shutdown(self) -> None:
         for t in self.secondary_tiers:
             t.close()
-        self._view.release()
-        self._mem.close()
+        try:
+            self._view.release()
+            self._mem.close()
+        except BufferError:
+            # Views of the primary are still alive: an exception (Ctrl-C) unwinding through
+            # here holds the frames that made them. The mapping goes with the last of them;
+            # closing it now would be a traceback in place of the one line that exception gets.
+            pass
 
 
 def timed(fn) -> Timed:
