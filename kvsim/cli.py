@@ -8,12 +8,13 @@ with one, ``--host-free`` without a page-cache tier, ...) is refused, not ignore
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import io
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -28,15 +29,18 @@ from kvsim.hardware import Hardware
 from kvsim.hitrate import lru_hit_rate
 from kvsim.models import DEFAULT_MODEL, MODELS, get_model
 from kvsim.profile import BUILTIN, DEFAULT_PROFILE, VM_DISK_PROFILE, load_profile
-from kvsim.replay import ReplayConfig, Workload, check, replay
+from kvsim.overload import (first_replicas, first_time_scale, largest_burst, overload_line, overloaded, search, serves,
+                            worst_first)
+from kvsim.replay import QUEUE_WARNING, ReplayConfig, Workload, check, replay
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, Scenario, get_scenario
 from kvsim.router import MAX_PREFIX_TOKENS, SCORERS, RouterSpec
-from kvsim.tiers import parse_tier
+from kvsim.tiers import UNITS, has_no_unit, parse_tier, refuse_repeats
 from kvsim.trace import TraceError, TraceRequest, read_trace, write_kvsim
+from kvsim.units import size
 
 # A scenario names its own tiers (scenarios.py); a real trace needs more than they hold
 # (the Mooncake conversation trace: ~12 TB of KV at Llama-3-8B).
-TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TB", "disk:1TB")
+TRACE_TIERS = ("none", "cpu:8GiB", "vllm-disk:1TiB", "disk:1TiB")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 TRACE_FILE = cli_args.InputFile()
 COMMANDS = """commands:
@@ -56,7 +60,21 @@ COUNT = limits.COUNT
 SEED = limits.SEED
 RATE = limits.RATE
 FRACTION = cli_args.FRACTION
-SIZE = cli_args.Size()
+
+
+class Size(cli_args.Size):
+    """kvoffload's size rules with the unit required: ``--gpu-kv 64`` is refused, not
+    taken for 64 bytes (``64B`` is)."""
+
+    def __call__(self, text: str) -> int:
+        n = super().__call__(text)
+        if has_no_unit(text):
+            raise argparse.ArgumentTypeError(f"size {text.strip()!r} has no unit: write it with one, e.g. "
+                                             f"{text.strip()}GiB ({UNITS}; {text.strip()}B for bytes)")
+        return n
+
+
+SIZE = Size()
 # Arrival times are integer nanoseconds: beyond a million-fold stretch they stop being
 # a trace's (and past ~1e300 they overflow a float).
 TIME_SCALE = cli_args.Number(above=0.0, maximum=1e6)
@@ -70,7 +88,7 @@ SCENARIO_BYTES_PER_ID = 40
 
 def _tier(text: str):
     try:
-        return parse_tier(text)
+        return parse_tier(text, need_unit=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -317,6 +335,7 @@ def _replay(a: argparse.Namespace) -> int:
         if a.sample is None:
             _refuse(a, ("seed",), "--seed only seeds --sample for a trace")
     tiers = a.tier or [parse_tier(t) for t in (sc.tiers if sc else TRACE_TIERS)]
+    refuse_repeats(tiers)
     if all(t.kind == "none" for t in tiers):
         _refuse(a, ("load_policy",), "no offload tier to load from")
     if not any(t.page_cache for t in tiers):
@@ -339,6 +358,7 @@ def _replay(a: argparse.Namespace) -> int:
     replicas = a.replicas or (sc.replicas if sc else 1)
     if replicas == 1:
         _refuse(a, ("router_prefix_tokens", "router_weights"), "one replica: no router (--replicas N)")
+    time_scale = a.time_scale or 1.0
     # What this run models, said once its first tier has replayed: a mistake found while
     # setting them up stays one line.
     if sc is not None:
@@ -347,25 +367,25 @@ def _replay(a: argparse.Namespace) -> int:
     else:
         if a.concurrency is not None:
             _refuse(a, ("time_scale",), "arrival times; --concurrency sends each request as one finishes")
-        work = Workload((read_trace(a.trace, a.time_scale or 1.0, a.sample or 1.0, a.seed or 0, a.limit),),
+        work = Workload((read_trace(a.trace, time_scale, a.sample or 1.0, a.seed or 0, a.limit),),
                         concurrency=a.concurrency)
         title = a.trace
         said = [f"kvsim: trace {a.trace}"]
-    said.append(f"kvsim: hardware {profile.name} (fitted to {profile.source}), {model.name}, load policy {policy}")
+    runs = _deployment(replicas, hw.tp, gpu.name)
+    said.append(f"kvsim: hardware {runs} running {model.name}; IO profile {profile.name} (fitted to "
+                f"{profile.source}); load policy {policy}")
     if profile.name == VM_DISK_PROFILE:
-        said.append(f"kvsim: warning: hardware {profile.name} is the H200 VM's own virtual disk (about 1.5 GiB/s): "
+        said.append(f"kvsim: warning: IO profile {profile.name} is the H200 VM's own virtual disk (about 1.5 GiB/s): "
                     f"not a deployment's drive; --hardware h200-ramdrive models one fast local drive")
 
     def say() -> None:
         while said:
             print(said.pop(0), file=sys.stderr)
 
-    where = f"{replicas} replicas of " if replicas > 1 else ""
     loop = f" in a closed loop of {work.concurrency}" if work.concurrency else ""
-    title = (f"{title}: {len(work):,} request{'s' if len(work) != 1 else ''}{loop}, {model.name} on {where}"
-             f"{hw.tp if hw.tp > 1 else 'one'} "
-             f"{gpu.name.upper()}{'s' if hw.tp > 1 else ''}, GPU KV {replica_kv / 1e9:,.1f} GB"
-             f"{' each' if replicas > 1 else ''}, hardware {profile.name}, load policy {policy}")
+    title = (f"{title}: {len(work):,} request{'s' if len(work) != 1 else ''}{loop}, {model.name} on {runs}, "
+             f"GPU KV {size(replica_kv)}{' each' if replicas > 1 else ''}, IO profile {profile.name}, "
+             f"load policy {policy}")
     router = sc.router if sc else RouterSpec()
     if a.router_prefix_tokens is not None:
         router = dataclasses.replace(router, max_prefix_tokens=a.router_prefix_tokens or None)
@@ -375,40 +395,28 @@ def _replay(a: argparse.Namespace) -> int:
     for spec in tiers:  # a tier that cannot be set up is refused before anything replays or is said
         check(work, spec, cfg)
     summaries, ttfts = [], []
-    show = not a.json and sys.stderr.isatty()
-    if show:
-        from rich.progress import Progress
-        with Progress(transient=True) as bar:
-            for spec in tiers:
-                task = bar.add_task(spec.text, total=len(work))
-                s, t = replay(work, spec, cfg, lambda n, task=task: bar.update(task, completed=n))
-                say()
-                summaries.append(s)
-                ttfts.append(t)
-    else:
+    with _progress() as bar:
         for spec in tiers:
-            s, t = replay(work, spec, cfg)
+            s, t = replay(work, spec, cfg, bar.task(spec.text, len(work)))
             say()
             summaries.append(s)
             ttfts.append(t)
+        overload = served_by = None
+        # A scenario's rates are its point; a trace's come from a cluster kvsim may be smaller
+        # than; a closed loop sends no more than is served.
+        if sc is None and work.concurrency is None and any(overloaded(s) for s in summaries):
+            overload, served_by = _overload(a, work, tiers, summaries, cfg, time_scale, bar,
+                                            f"{runs} serving {model.name}")
+            for s in summaries:  # the line says why they queue
+                if overloaded(s):
+                    s["warnings"] = [w for w in s["warnings"] if QUEUE_WARNING not in w]
     published = sc.published if sc else None
-    overload = None
-    # A scenario's rates are its point; a trace's come from a cluster kvsim may be smaller than;
-    # a closed loop sends no more than is served.
-    if sc is None and work.concurrency is None:
-        from kvsim.report import overload_line, overloaded
-        gpus = f"{hw.tp} {gpu.name.upper()}s" if hw.tp > 1 else f"one {gpu.name.upper()}"
-        overload = overload_line(summaries, a.time_scale or 1.0, replicas,
-                                 f"{where}{gpus} serving {model.name}")
-        for s in summaries:  # the line says why they queue
-            if overloaded(s):
-                s["warnings"] = [w for w in s["warnings"] if "queueing for the GPU" not in w]
     if a.json:
         resolved = dataclasses.replace(hw, gpu_kv_bytes=replica_kv)
         doc = {"title": title, "scenario": sc.name if sc else None, "model": dataclasses.asdict(model),
                "hardware": dataclasses.asdict(resolved), "gpu": gpu.name, "replicas": replicas,
                "io_profile": profile.name, "load_policy": cfg.load_policy, "tiers": summaries, "overload": overload,
-               "concurrency": work.concurrency}
+               "served_by": served_by, "concurrency": work.concurrency}
         if replicas > 1:  # what the router was told: its scorers' weights and its prefix belief
             doc["router"] = {"weights": dict(router.weights),
                              "untiered_weights": dict(router.untiered().weights),
@@ -432,6 +440,73 @@ def _replay(a: argparse.Namespace) -> int:
         plot(a.plot, summaries, ttfts, title)
         print(f"kvsim: wrote {a.plot}", file=sys.stderr)
     return 0
+
+
+def _deployment(replicas: int, tp: int, gpu: str) -> str:
+    """What a replay runs on: ``one H200``, ``2 H100s (TP=2)``, ``8 replicas of 2 H100s (TP=2)``."""
+    one = f"{tp} {gpu.upper()}s (TP={tp})" if tp > 1 else f"one {gpu.upper()}"
+    return one if replicas == 1 else f"{replicas} replicas of {one}"
+
+
+class _Bar:
+    """Progress of the replays on stderr, when stderr is a terminal (whatever stdout is: a
+    table, JSON, a pipe); nothing otherwise."""
+
+    def __init__(self, progress) -> None:
+        self.progress = progress
+
+    def task(self, label: str, total: int) -> Optional[Callable[[int], None]]:
+        if self.progress is None:
+            return None
+        for t in self.progress.tasks:  # one line at a time: the replays run one after the other
+            self.progress.update(t.id, visible=False)
+        task = self.progress.add_task(label, total=total)
+        return lambda n: self.progress.update(task, completed=n)
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[_Bar]:
+    if not sys.stderr.isatty():
+        yield _Bar(None)
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        yield _Bar(progress)
+
+
+def _overload(a: argparse.Namespace, work: Workload, tiers: list, summaries: list[dict], cfg: ReplayConfig,
+              time_scale: float, bar: _Bar, what: str) -> tuple[str, dict]:
+    """The overload line, and the ``--replicas`` and ``--time-scale`` found to serve the
+    trace: each value tried is replayed on every tier (the likeliest to fail first) as a
+    rerun with it would replay it (kvsim/overload.py)."""
+    worst = max(f for f in map(overloaded, summaries) if f)
+    order = [tiers[i] for i in worst_first(summaries)]
+
+    def check(flag: str, w: Workload, c: ReplayConfig) -> Optional[dict]:
+        for spec in order:
+            s, _ = replay(w, spec, c, bar.task(f"{flag} {spec.text}", len(w)))
+            if not serves(s):
+                return s
+        return None
+
+    def by_replicas(n: float) -> Optional[dict]:
+        return check(f"--replicas {n:g}:", work, dataclasses.replace(cfg, replicas=int(n)))
+
+    def by_time_scale(x: float) -> Optional[dict]:
+        stretched = Workload((read_trace(a.trace, x, a.sample or 1.0, a.seed or 0, a.limit),))
+        return check(f"--time-scale {x:g}:", stretched, cfg)
+
+    most = min(MAX_REPLICAS, max(cfg.replicas, len(work)))
+    replicas = search(first_replicas(worst, cfg.replicas), most, by_replicas, integer=True)
+    stretch = None
+    if summaries[0]["arrival_span_s"]:  # arrivals all at once have no rate to stretch
+        stretch = search(first_time_scale(worst, time_scale), TIME_SCALE.maximum, by_time_scale, integer=False,
+                         limit_first=True)
+    line = overload_line(summaries, what, replicas, stretch, largest_burst(work))
+    found = {"replicas": replicas.found and int(replicas.found),
+             "time_scale": stretch.found if stretch is not None else None}
+    return line, found
 
 
 SHARED_PREFIX_FLAGS = ("groups", "prompts_per_group", "system_len", "question_len", "requests")
@@ -489,7 +564,7 @@ def _hitrate(a: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         for cap, rate in rates:
-            print(f"{cap / 1e9:,.1f} GB: token hit rate {rate:.4f}")
+            print(f"{size(cap)}: token hit rate {rate:.4f}")
     return 0
 
 

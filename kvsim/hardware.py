@@ -12,6 +12,7 @@ from typing import Optional
 
 from kvsim.gpu import DEFAULT_GPU, GpuProfile
 from kvsim.models import ModelShape
+from kvsim.units import size
 
 GiB = 1 << 30
 
@@ -23,7 +24,7 @@ class Hardware:
     tp: int = 1
     # The replica's KV cache: None = what vLLM allots at gpu_memory_utilization 0.9 on
     # each GPU, less its share of the weights and an activation reserve [est 3.5 GB]
-    # (Llama-3-8B on one H200: 107 GB).
+    # (Llama-3-8B on one H200: 99.9 GiB).
     gpu_kv_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 3.5e9
@@ -49,7 +50,7 @@ class Hardware:
         per_gpu = gpu.hbm_bytes * self.gpu_memory_utilization - model.weight_bytes / self.tp - self.activation_reserve_bytes
         if per_gpu <= 0:
             share = f" over {self.tp} GPUs" if self.tp > 1 else ""
-            raise ValueError(f"{model.name}'s weights ({model.weight_bytes / 1e9:.0f} GB{share}) leave no KV cache on "
-                             f"one {gpu.hbm_bytes / 1e9:.0f} GB {gpu.name.upper()}; give the replica's KV cache with "
+            raise ValueError(f"{model.name}'s weights ({size(model.weight_bytes)}{share}) leave no KV cache on "
+                             f"one {gpu.name.upper()} of {size(gpu.hbm_bytes)}; give the replica's KV cache with "
                              f"--gpu-kv")
         return int(per_gpu * self.tp)

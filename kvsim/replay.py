@@ -23,8 +23,10 @@ from kvsim.tiers import TierSpec
 from kvsim.trace import TraceRequest
 
 Progress = Callable[[int], None]  # called with the number of requests finished so far
-# Queueing for admission above this share of all TTFT: the GPU, not the tier, sets TTFT.
+# Queueing for admission above this share of all TTFT: the GPU, not the tier, sets TTFT,
+# and the tier's summary warns so (its warning holds QUEUE_WARNING).
 OVERLOAD_QUEUE_SHARE = 0.5
+QUEUE_WARNING = "queueing for the GPU"
 
 
 @dataclass(frozen=True)
@@ -310,7 +312,7 @@ def summarize(engines: Sequence[Engine], spec: TierSpec, profile: IoProfile, end
     if queue_share > OVERLOAD_QUEUE_SHARE:
         q, t = out["queue_ms"]["p90"], out["ttft_ms"]["p90"]
         out["warnings"].append(
-            f"{spec.text}: queueing for the GPU is {queue_share:.0%} of TTFT (P90 {q:,.0f} ms of the TTFT P90 "
+            f"{spec.text}: {QUEUE_WARNING} is {queue_share:.0%} of TTFT (P90 {q:,.0f} ms of the TTFT P90 "
             f"{t:,.0f} ms): the GPU, overloaded or hit by bursts of arrivals, sets TTFT, not the tier")
     if tiers:
         _add_io(out, tiers, profile, end_ns)

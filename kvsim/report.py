@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import IO, Any, Optional
@@ -11,16 +10,11 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+from kvsim.units import size
+
 # Output that is not a terminal (a pipe, a file) gets this width unless COLUMNS says
 # otherwise: the same text from run to run.
 PIPE_WIDTH = 100
-
-
-def _bytes(n: int) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B" if n else "0"
 
 
 def _ms(v: Optional[float]) -> str:
@@ -40,7 +34,7 @@ def _pending(s: dict) -> str:
     p = s["stores_pending_at_end"]
     if not p or not p["jobs"]:
         return "-" if p is None else "0"
-    return f"{p['jobs']} jobs, {_bytes(p['bytes'])}, {p['drain_s']:.1f} s"
+    return f"{p['jobs']} jobs, {size(p['bytes'])}, {p['drain_s']:.1f} s"
 
 
 Row = tuple[str, Callable[[dict], str]]
@@ -50,8 +44,8 @@ HEAD: tuple[Row, ...] = (
 )
 TAIL: tuple[Row, ...] = (
     ("queueing share of TTFT", lambda s: _pct(s["queue_share_of_ttft"])),
-    ("bytes stored", lambda s: _bytes(s["bytes_stored"])),
-    ("bytes loaded", lambda s: _bytes(s["bytes_loaded"])),
+    ("bytes stored", lambda s: size(s["bytes_stored"])),
+    ("bytes loaded", lambda s: size(s["bytes_loaded"])),
     ("disk util read/write", lambda s: f"{_pct(s['disk_read_util'])} / {_pct(s['disk_write_util'])}"),
     ("IO threads busy load/store", _busy),
     ("stores queued at the end", _pending),
@@ -131,47 +125,6 @@ def print_table(title: str, summaries: Sequence[dict], file: IO[str], lines_befo
     rows = [(name, [fmt(s) for s in summaries]) for name, fmt in (*HEAD, *ttft, *TAIL)]
     print_grid(title if phases else "", [s["tier"] for s in summaries], rows, file, lines_before,
                [f"warning: {w}" for s in summaries for w in s["warnings"]])
-
-
-# A trace's replay is overloaded when its backlog at the last arrival takes longer to
-# drain than a fiftieth of the trace and a few requests' own service: the queue grew all
-# along (a burst drains in about one request's time).
-OVERLOAD_DRAIN_SHARE, OVERLOAD_SERVICES = 0.02, 3
-# What the suggested --time-scale or --replicas aims at: the tier's served rate with this
-# much headroom for bursts.
-OVERLOAD_HEADROOM = 1.25
-
-
-def overloaded(s: dict) -> Optional[float]:
-    """How many times more work the trace offered than the tier served in time, when its
-    backlog outlasted the arrivals (else None): the span plus the drain over the span, or,
-    for arrivals all at once, the drain over what a few requests' service allows."""
-    span, drain, service = s["arrival_span_s"], s["drain_s"], OVERLOAD_SERVICES * s["service_p90_s"]
-    if drain <= OVERLOAD_DRAIN_SHARE * span + service or not drain:
-        return None
-    return (span + drain) / span if span else drain / max(service, 1e-3)
-
-
-def overload_line(summaries: Sequence[dict], time_scale: float, replicas: int, what: str) -> Optional[str]:
-    """One line when the trace offered more than the deployment served: the numbers, and a
-    --time-scale and a --replicas that would serve it; None when every tier kept up."""
-    over = {s["tier"]: overloaded(s) for s in summaries}
-    worst = max((f for f in over.values() if f), default=None)
-    if worst is None:
-        return None
-    s = summaries[0]
-    span = s["arrival_span_s"]
-    served = ", ".join(f"{t} {x['prompt_tokens'] / (x['arrival_span_s'] + x['drain_s']):,.0f}"
-                       for t, x in zip(over, summaries) if over[t])
-    need = worst * OVERLOAD_HEADROOM
-    more = f"--replicas {math.ceil(replicas * need)} would serve it"
-    if not span:  # arrivals all at once: stretching them changes nothing
-        return (f"overloaded: the trace's {s['requests']:,} requests ({s['prompt_tokens']:,} prompt tokens) arrive at "
-                f"once; {what} served {served} tokens/s, so its TTFTs are mostly queueing. {more}")
-    scale = math.ceil(time_scale * need * 10) / 10
-    return (f"overloaded: the trace offers {s['prompt_tokens'] / span:,.0f} prompt tokens/s over {span:,.0f} s "
-            f"({s['requests']:,} requests); {what} served {served} tokens/s, so its TTFTs are mostly queueing. "
-            f"--time-scale {scale:g} or {more}")
 
 
 # A stage collapses when it serves less than this share of the tokens it is offered:

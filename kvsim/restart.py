@@ -29,7 +29,7 @@ from kvsim.profile import load_profile
 from kvsim.replay import ReplayConfig, build, summarize
 from kvsim.scenarios import DEFAULT_SCENARIO, SCENARIOS, get_scenario
 from kvsim.tiering import TwoLevelTier, make_tier
-from kvsim.tiers import TierSpec, parse_tier
+from kvsim.tiers import TierSpec, parse_tier, refuse_repeats
 from kvsim.trace import TraceRequest
 
 PROG = "python -m kvsim.restart"
@@ -123,7 +123,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise cli_args.UsageError("--scenario: one scenario")
     sc = get_scenario(a.scenario[0])
     workload = sc.workload if a.contexts is None else dataclasses.replace(sc.workload, contexts=a.contexts)
-    tiers = [parse_tier(t) for t in (a.tier or [t for t in sc.tiers if t.startswith(("disk", "cpu:8GiB+"))])]
+    tiers = ([parse_tier(t, need_unit=True) for t in a.tier] if a.tier
+             else [parse_tier(t) for t in sc.tiers if t.startswith(("disk", "cpu:8GiB+"))])
+    refuse_repeats(tiers)
     hw = dataclasses.replace(Hardware(), gpu_kv_bytes=sc.gpu_kv_bytes, host_free_bytes=sc.host_free_bytes)
     cfg = ReplayConfig(get_model(sc.model), hw, sc.load_policy, load_profile(sc.hardware))
     requests = workload.requests()

@@ -56,25 +56,28 @@ LLMD = "llm-d-cpu-offload"
 SCENARIOS = {s.name: s for s in (
     # What the disk tier exists for: host DRAM too small for the contexts, one fast local
     # drive, more contexts than the GPU cache holds, and reloads the GPU cannot all recompute.
+    # Sizes in GiB, kvsim's one convention (kvsim/units.py): 147 GiB of contexts, which a
+    # 100 GiB disk holds two thirds of and a 200 GiB one all of.
     Scenario(
         "dram-limited-nvme",
         "Qwen3-32B on one H200, one NVMe-class drive (h200-ramdrive), 8 GiB DRAM tier, 32 GiB free host "
-        "memory; 96 user contexts of 6,144 tokens after a 12,288-token shared prompt (160 GB of KV), "
+        "memory; 96 user contexts of 6,144 tokens after a 12,288-token shared prompt (147 GiB of KV), "
         "visited at 0.5/s, then reloaded in shuffled order at 1/s",
         ReloadScenario(contexts=96),
-        ("none", "cpu:8GiB", "disk:100GB", "disk:200GB", "vllm-disk:200GB", "disk:200GB:pagecache",
-         "cpu:8GiB+disk:200GB"),
+        ("none", "cpu:8GiB", "disk:100GiB", "disk:200GiB", "vllm-disk:200GiB", "disk:200GiB:pagecache",
+         "cpu:8GiB+disk:200GiB"),
         "qwen3-32b", "h200-ramdrive", "always", 32 * GiB),
     # vLLM PR #49644's reload benchmark: vLLM's own disk backend on local NVMe, an 8 GB
     # DRAM tier against a 100 GB disk tier, then 32 GB of each, the page cache and none,
-    # on a 128 GB host. The PR names no model, GPU or request rate: kvsim's reload
+    # on a 128 GB host: its "GB" are GiB (its example's disk_capacity_bytes is
+    # 107374182400; 8 GiB is vLLM's CPU default). The PR names no model, GPU or request rate: kvsim's reload
     # workload of 48 contexts (sized before this comparison so that 100 GB holds it and
     # 8 GB does not) on one H200 (docs/kvsim.md says what that implies).
     Scenario(
         "vllm-pr-49644",
         "vLLM PR #49644's reload benchmark: vLLM's disk backend on one NVMe-class drive (h200-ramdrive), "
-        "128 GB host; assumed: Qwen3-32B on one H200, 48 user contexts of 6,144 tokens after a 12,288-token "
-        "shared prompt (80 GB of KV), visited at 0.5/s, then reloaded in shuffled order at 1/s",
+        "128 GiB host; assumed: Qwen3-32B on one H200, 48 user contexts of 6,144 tokens after a 12,288-token "
+        "shared prompt (75 GiB of KV), visited at 0.5/s, then reloaded in shuffled order at 1/s",
         ReloadScenario(),
         ("none", "cpu:8GiB", "vllm-disk:100GiB", "cpu:32GiB", "vllm-disk:32GiB", "vllm-disk:32GiB:pagecache"),
         "qwen3-32b", "h200-ramdrive", "always", 128 * GiB),

@@ -8,13 +8,15 @@ O_DIRECT), ``threads=N`` (IO threads per slot file and direction: kvoffload's
 one thread); ``disk`` only: ``unit=SIZE``
 (a job is split into units of this size over the threads), ``seal=aes-gcm|xxh3|off``,
 ``paths=N`` (slot files, one per drive). Sizes by kvoffload's rules (``8GiB``,
-``100GB``). Two levels, as vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec``
+``100GB``); on the command line a size needs its unit (``disk:200`` is refused, ``200B``
+is 200 bytes). Two levels, as vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec``
 runs them: ``cpu:SIZE+disk:SIZE[:OPTION]...`` (a CPU primary, kvoffload's slot files as
 the secondary tier; tiering.py).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -72,11 +74,28 @@ def kvoffload_unit_bytes(paths: int, threads: int) -> int:
     return max(MiB, min(KVOFFLOAD_MAX_UNIT_BYTES, KVOFFLOAD_STAGING_BYTES // (3 * threads * paths)))
 
 
-def parse_bytes(what: str, text: str) -> int:
-    """A size > 0 such as ``8GiB`` or ``100GB``, by the rules of kvoffload's config keys."""
+UNITS = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+# A number alone: kvoffload's config reads it as bytes, which a typed size almost never is
+# (``disk:200`` for 200 GiB would be a 200-byte tier).
+_NO_UNIT = re.compile(r"^\s*[0-9]*\.?[0-9]*\s*$", re.ASCII)
+
+
+def has_no_unit(text: str) -> bool:
+    return bool(_NO_UNIT.match(text)) and any(c.isdigit() for c in text)
+
+
+def parse_bytes(what: str, text: str, need_unit: bool = False, example: str = "") -> int:
+    """A size > 0 such as ``8GiB`` or ``100GB``, by the rules of kvoffload's config keys;
+    with ``need_unit``, a number without its unit is refused (``example``: what the
+    message shows instead, ``{n}`` the number given)."""
     n = parse_size(what, text)
     if n <= 0:
         raise ValueError(f"{what}={text!r}: must be > 0")
+    if need_unit and has_no_unit(text):
+        number = text.strip()
+        shown = (example or "{n}GiB").format(n=number)
+        raise ValueError(f"{what}={text!r} has no unit: write it with one, e.g. {shown} ({UNITS}; {number}B for "
+                         f"bytes)")
     return n
 
 
@@ -105,10 +124,11 @@ def _int_option(text: str, name: str, value: str) -> int:
     return int(value)
 
 
-def parse_tier(text: str) -> TierSpec:
+def parse_tier(text: str, need_unit: bool = False) -> TierSpec:
+    """``text`` as a tier; ``need_unit`` (the command line): every size with its unit."""
     spec = text.strip()
     if "+" not in spec:
-        return _parse_level(text, spec)
+        return _parse_level(text, spec, need_unit=need_unit)
     levels = spec.split("+")
     if len(levels) != 2:
         raise ValueError(f"bad tier {text!r}: a two-level tier has two levels, cpu:SIZE+disk:SIZE")
@@ -123,11 +143,12 @@ def parse_tier(text: str) -> TierSpec:
     if kind != "disk":
         raise ValueError(f"bad tier {text!r}: the second level must be kvoffload's disk tier, "
                          f"disk:SIZE[:OPTION...] (got {second!r})")
-    primary = _parse_level(text, first)
-    return replace(primary, text=f"{primary.text}+{second}", secondary=_parse_level(text, second, KVOFFLOAD))
+    primary = _parse_level(text, first, need_unit=need_unit)
+    return replace(primary, text=f"{primary.text}+{second}",
+                   secondary=_parse_level(text, second, KVOFFLOAD, need_unit))
 
 
-def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:
+def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD, need_unit: bool = False) -> TierSpec:
     """One level (``spec``) of the tier ``text``; ``disk`` is what a ``disk`` level starts from."""
     parts = spec.split(":")
     kind = parts[0].lower()
@@ -137,9 +158,9 @@ def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:
         raise ValueError(f"bad tier {text!r}: use none, cpu:SIZE, disk:SIZE[:OPTION...] or "
                          f"vllm-disk:SIZE[:OPTION...]")
     if len(parts) < 2 or not parts[1]:
-        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:100GB")
+        raise ValueError(f"bad tier {text!r}: {kind} needs a size, e.g. {kind}:100GiB")
     try:
-        size = parse_bytes("size", parts[1])
+        size = parse_bytes("size", parts[1], need_unit, f"{kind}:{{n}}GiB")
     except ValueError as e:
         raise ValueError(f"bad tier {text!r}: {e}") from None
     if kind == "cpu":
@@ -170,7 +191,7 @@ def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:
             pipe = replace(pipe, paths=_int_option(text, name, value))
         elif name == "unit":
             try:
-                pipe = replace(pipe, unit_bytes=parse_bytes("unit", value))
+                pipe = replace(pipe, unit_bytes=parse_bytes("unit", value, need_unit, "unit=8MiB"))
             except ValueError as e:
                 raise ValueError(f"bad tier {text!r}: {e}") from None
         else:  # seal
@@ -178,3 +199,19 @@ def _parse_level(text: str, spec: str, disk: Pipeline = KVOFFLOAD) -> TierSpec:
                 raise ValueError(f"bad tier {text!r}: seal={value!r}: use one of {', '.join(SEALS)}")
             pipe = replace(pipe, seal=value)
     return TierSpec(kind, size, pipe, spec)
+
+
+def _meaning(spec: TierSpec) -> TierSpec:
+    """``spec`` without the text it was written as: ``disk:200GB`` and ``disk:0.2TB``, or
+    options in another order, are one tier."""
+    return replace(spec, text="", secondary=_meaning(spec.secondary) if spec.secondary is not None else None)
+
+
+def refuse_repeats(tiers: "list[TierSpec]") -> None:
+    """A tier given twice would be replayed twice under one name: refused, naming it."""
+    seen: dict[TierSpec, TierSpec] = {}
+    for t in tiers:
+        first = seen.setdefault(_meaning(t), t)
+        if first is not t:
+            same = "given twice" if first.text == t.text else f"is the same tier as --tier {first.text}"
+            raise ValueError(f"--tier {t.text} {same}: each tier is replayed once, give it once")

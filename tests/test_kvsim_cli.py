@@ -32,14 +32,15 @@ def test_the_default_replay_shows_both_disk_tiers_and_each_phase(capsys):
     assert main(["trace", "replay"]) == 0
     captured = capsys.readouterr()
     out = " ".join(captured.out.split(" \n"))  # the title is word-wrapped to the width
-    assert "scenario dram-limited-nvme" in out and "qwen3-32b" in out and "hardware h200-ramdrive" in out
-    for text in ("vllm-disk:200GB", "disk:100GB", "cpu:8GiB+disk:200GB", "fill TTFT P50", "reload TTFT P99",
+    assert "scenario dram-limited-nvme" in out and "qwen3-32b on one H200" in out and "IO profile h200-ramdrive" in out
+    for text in ("vllm-disk:200GiB", "disk:100GiB", "cpu:8GiB+disk:200GiB", "fill TTFT P50", "reload TTFT P99",
                  "IO threads busy", "stores queued at the end"):
         assert text in out
-    # Which scenario and profile ran, on stderr; no warning for a drive a deployment has.
+    # Which scenario, hardware and profile ran, on stderr; no warning for a drive a deployment has.
     assert "kvsim: scenario dram-limited-nvme: Qwen3-32B on one H200" in captured.err
-    assert "kvsim: hardware h200-ramdrive (fitted to tests/data/bench_h200_array.json)" in captured.err
-    assert "warning: hardware" not in captured.err
+    assert ("kvsim: hardware one H200 running qwen3-32b; IO profile h200-ramdrive (fitted to "
+            "tests/data/bench_h200_array.json); load policy always") in captured.err
+    assert "warning" not in captured.err
 
 
 def test_every_run_says_its_scenario_and_profile_and_warns_of_the_vm_disk(capsys):
@@ -48,10 +49,11 @@ def test_every_run_says_its_scenario_and_profile_and_warns_of_the_vm_disk(capsys
     captured = capsys.readouterr()
     assert json.loads(captured.out)["scenario"] == "vllm-pr-49644"
     assert "kvsim: scenario vllm-pr-49644: vLLM PR #49644's reload benchmark" in captured.err
-    assert "kvsim: warning: hardware h200-disk is the H200 VM's own virtual disk" in captured.err
+    assert "kvsim: warning: IO profile h200-disk is the H200 VM's own virtual disk" in captured.err
     assert main(ARGS) == 0
     err = capsys.readouterr().err
-    assert f"kvsim: trace {MINI}" in err and "kvsim: hardware h200-ramdrive" in err and "warning" not in err
+    assert f"kvsim: trace {MINI}" in err and "kvsim: hardware one H200 running llama3-8b; IO profile h200-ramdrive" \
+        in err and "warning" not in err
 
 
 def test_table_and_plot(capsys, tmp_path):
@@ -118,7 +120,7 @@ def test_every_numeric_flag_is_checked_in_one_line(capsys, argv, message):
     (["--tier", "disk:1TB", "--host-free", "64GiB"],
      "--host-free: only page-cache tiers (disk:SIZE:pagecache) use free host memory"),
     ([MINI, "--scenario", "vllm-pr-49644"], "--scenario: reload-scenario flags; they do nothing with a TRACE"),
-    (["--model", "llama3-70b"], "llama3-70b's weights (141 GB) leave no KV cache on one 141 GB H200; "
+    (["--model", "llama3-70b"], "llama3-70b's weights (131.3 GiB) leave no KV cache on one H200 of 131.3 GiB; "
                                 "give the replica's KV cache with --gpu-kv"),
     (["--hardware", "nope.json"], "--hardware 'nope.json': no such file, and not one of h200-disk, h200-array"),
 ])
@@ -215,21 +217,22 @@ def test_the_table_fits_the_width_and_continues_below(capsys, monkeypatch, colum
     assert sum("reload TTFT P90" in line for line in lines) == tables
 
 
-def test_the_readmes_main_job_warns_only_as_the_readme_explains(capsys):
-    # The README says the default replay prints no warning: queueing for the GPU is 37% of the
-    # TTFT of none and cpu:8GiB, below kvsim's threshold of half, and 7% of disk:100GB's; any
-    # warning the run prints would go unexplained, and figures that moved would make it wrong.
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
-    assert "It prints no warning. Queueing for the GPU is 40% of the TTFT of `none` and `cpu:8GiB`" in readme
-    assert "`disk:100GB` queues for 11% of its TTFT" in readme
+def test_the_main_job_warns_only_as_the_docs_explain(capsys):
+    # docs/kvsim.md says the default replay prints no warning: queueing for the GPU is 40%
+    # of the TTFT of none and cpu:8GiB, below kvsim's threshold of half, and 11% of
+    # disk:100GiB's; any warning the run prints would go unexplained, and figures that
+    # moved would make it wrong.
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "kvsim.md").read_text().split())
+    assert "It prints no warning. Queueing for the GPU is 40% of the TTFT of `none` and `cpu:8GiB`" in docs
+    assert "`disk:100GiB` queues for 11% of its TTFT, the 200 GiB tiers for under 2%" in docs
     assert main(["trace", "replay"]) == 0
     captured = capsys.readouterr()
     text = " ".join((captured.out + captured.err).split())
     assert "warning" not in text.lower()
     rows = re.findall(r"queueing share of TTFT ((?:│ *[\d.]+% *)+)│", text)  # the table continues below itself
     shares = [float(v) for row in rows for v in re.findall(r"([\d.]+)%", row)]
-    assert len(shares) == 7 and [round(v) for v in shares[:3]] == [40, 40, 11]  # none, cpu:8GiB, disk:100GB
-    assert max(shares[3:]) < 2  # the four 200 GB tiers: the README's "under 2%"
+    assert len(shares) == 7 and [round(v) for v in shares[:3]] == [40, 40, 11]  # none, cpu:8GiB, disk:100GiB
+    assert max(shares[3:]) < 2  # the four 200 GiB tiers: the docs' "under 2%"
     assert "kvsim: overloaded" not in text
 
 
@@ -374,3 +377,182 @@ def test_rates_and_seeds_are_bounded_where_they_overflowed_or_wrapped(capsys, ar
     for command in (["trace", "replay", "--tier", "none"], ["trace", "generate", "reload"]):
         assert main([*command, "--contexts", "2", *argv]) == 2
         assert capsys.readouterr().err == f"kvsim: error: {message}\n"
+
+
+# -- issue 45: sizes need their unit, a tier once, one convention of units, progress ------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "replay", "--tier", "disk:200"],
+     "argument --tier: bad tier 'disk:200': size='200' has no unit: write it with one, e.g. disk:200GiB"),
+    (["trace", "replay", "--tier", "cpu:8+disk:1TiB"], "bad tier 'cpu:8+disk:1TiB': size='8' has no unit: write it "
+                                                      "with one, e.g. cpu:8GiB"),
+    (["trace", "replay", "--tier", "disk:1TiB:unit=4194304"], "unit='4194304' has no unit: write it with one, e.g. "
+                                                             "unit=8MiB"),
+    (["trace", "replay", "--gpu-kv", "64"], "argument --gpu-kv: size '64' has no unit: write it with one, e.g. 64GiB"),
+    (["trace", "replay", "--tier", "disk:1TiB:pagecache", "--host-free", "32"], "argument --host-free: size '32' has "
+                                                                                "no unit"),
+    (["trace", "hitrate", MINI, "--capacity", "100"], "argument --capacity: size '100' has no unit"),
+])
+def test_a_size_without_its_unit_is_refused_in_one_line(capsys, argv, message):
+    # Issue 45: `--tier disk:200` replayed a 200-byte tier and said it was "smaller than one
+    # unit of 32 4194304-byte slots and vLLM's null block".
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvsim: error: ") and err.count("\n") == 1, err
+    assert message in err and "B for bytes)" in err and "smaller than one unit" not in err
+
+
+def test_a_size_in_bytes_says_so_with_b():
+    from kvsim.tiers import parse_tier
+    assert parse_tier("disk:107374182400B", need_unit=True).capacity_bytes == 100 << 30
+    assert parse_tier("disk:107374182400").capacity_bytes == 100 << 30  # kvoffload's config rule, in code
+
+
+def test_a_size_without_its_unit_is_no_traceback_from_the_command_line():
+    import subprocess
+    import sys
+    for argv in (["-m", "kvsim", "trace", "replay", "--tier", "disk:200"],
+                 ["-m", "kvsim.restart", "--tier", "disk:200"]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert "size='200' has no unit: write it with one, e.g. disk:200GiB" in r.stderr
+
+
+@pytest.mark.parametrize("tiers, message", [
+    (["disk:200GB", "disk:200GB"], "--tier disk:200GB given twice: each tier is replayed once, give it once"),
+    (["none", "disk:200GB", "disk:0.2TB"], "--tier disk:0.2TB is the same tier as --tier disk:200GB"),
+    (["disk:1TiB:threads=4:pagecache", "disk:1TiB:pagecache:threads=4"],
+     "--tier disk:1TiB:pagecache:threads=4 is the same tier as --tier disk:1TiB:threads=4:pagecache"),
+    (["cpu:8GiB+disk:1TiB", "cpu:8GiB+disk:1024GiB"], "--tier cpu:8GiB+disk:1024GiB is the same tier as "
+                                                      "--tier cpu:8GiB+disk:1TiB"),
+    (["none", "none"], "--tier none given twice"),
+])
+def test_a_tier_given_twice_is_refused_naming_it(capsys, tiers, message):
+    # Issue 45: `--tier disk:200GB --tier disk:200GB` replayed the same tier twice, silently.
+    assert main(["trace", "replay", *(f for t in tiers for f in ("--tier", t))]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"kvsim: error: {message}") and err.count("\n") == 1, err
+
+
+def test_tiers_that_differ_are_replayed_each(capsys):
+    assert main(["trace", "replay", "--contexts", "2", "--tier", "disk:200GB", "--tier", "disk:200GiB",
+                 "--tier", "disk:200GB:pagecache", "--json"]) == 0
+    assert [t["tier"] for t in json.loads(capsys.readouterr().out)["tiers"]] == [
+        "disk:200GB", "disk:200GiB", "disk:200GB:pagecache"]
+
+
+def test_the_restart_command_refuses_a_tier_given_twice(capsys):
+    from kvsim.restart import main as restart
+    assert restart(["--tier", "disk:1TiB", "--tier", "disk:1TiB"]) == 2
+    assert capsys.readouterr().err == ("python -m kvsim.restart: error: --tier disk:1TiB given twice: each tier is "
+                                       "replayed once, give it once\n")
+
+
+def test_kvsims_own_sizes_are_in_one_convention_binary(capsys):
+    # Issue 45: `vllm-disk:100GiB` and `disk:100GB` side by side. kvsim's scenarios and
+    # defaults name sizes in GiB (vLLM's, kvoffload's and the sources' own units), and its
+    # tables, titles and messages print GiB; a size typed stays as typed.
+    from kvsim.cli import TRACE_TIERS
+    from kvsim.scenarios import SCENARIOS
+    labels = " ".join([t for sc in SCENARIOS.values() for t in sc.tiers] + list(TRACE_TIERS))
+    units = re.findall(r"\d([KMGT]i?B)\b", labels)
+    assert units and set(units) <= {"GiB", "TiB"}, labels
+    for sc in SCENARIOS.values():
+        assert not re.search(r"\d (KB|MB|GB|TB)\b", sc.summary), sc.summary
+    assert main(["trace", "replay", "--contexts", "4", "--tier", "none", "--tier", "disk:200GB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GPU KV 53.9 GiB" in out and "disk:200GB" in out
+    assert re.search(r"bytes stored │ 0 │ [\d.]+ GiB", out) and not re.search(r"\d (KB|MB|GB|TB)\b", out), out
+    assert main(["trace", "hitrate", MINI, "--capacity", "8GiB", "--capacity", "1TB"]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["8.0 GiB", "931.3 GiB"]
+
+
+def _under_a_terminal(argv: list[str], stderr_tty: bool) -> tuple[int, bytes, bytes]:
+    """``python -m kvsim ARGV`` with stdout a pipe and stderr a terminal (a pty) or a pipe."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE",
+                                                             "COLUMNS", "LINES")}
+    env["TERM"] = "xterm"
+    if not stderr_tty:
+        r = subprocess.run([sys.executable, "-m", "kvsim", *argv], capture_output=True, env=env, timeout=300)
+        return r.returncode, r.stdout, r.stderr
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "kvsim", *argv], stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # the pty's buffer is small: read it while the child writes
+        while True:
+            try:
+                b = os.read(master, 65536)
+            except OSError:  # EIO once the child has closed it
+                return
+            if not b:
+                return
+            chunks.append(b)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    out = p.stdout.read()
+    rc = p.wait(timeout=300)
+    reader.join(timeout=60)
+    os.close(master)
+    return rc, out, b"".join(chunks)
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_replay_shows_progress_on_a_terminal_and_none_into_a_pipe(json_out):
+    # Issue 45: long replays show progress on a terminal and stay quiet in a pipe. The bar
+    # went to stdout (rich's default console), and not at all with --json: with stdout a
+    # pipe, a terminal on stderr saw nothing move.
+    argv = ["trace", "replay", MINI, "--tier", "none", "--tier", "disk:1TiB"] + (["--json"] if json_out else [])
+    rc, out, err = _under_a_terminal(argv, stderr_tty=True)
+    assert rc == 0 and b"\x1b" not in out, out[:300]
+    assert b"\xe2\x94\x81" in err and b"disk:1TiB" in err and b"\x1b[2K" in err, err[:300]  # the bar, on stderr
+    assert (json.loads(out)["tiers"] if json_out else b"TTFT P50" in out)
+    rc, out, err = _under_a_terminal(argv, stderr_tty=False)
+    assert rc == 0 and b"\x1b" not in out + err
+    assert err.decode().splitlines() == [f"kvsim: trace {MINI}", "kvsim: hardware one H200 running llama3-8b; IO "
+                                         "profile h200-ramdrive (fitted to tests/data/bench_h200_array.json); load "
+                                         "policy faster"]
+
+
+def test_every_command_the_docs_give_is_one_kvsim_accepts(monkeypatch):
+    # docs/kvsim.md gives each table's command, or the flags it adds to a replay: each must
+    # be one kvsim takes as written (sizes with their unit, flags that exist), not one it
+    # refuses. The docs' examples of refusals are named here.
+    import shlex
+    from kvoffload import cli_args
+    from kvsim.cli import build_parser
+    from kvsim.restart import build_parser as restart_parser
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    text = (root / "docs" / "kvsim.md").read_text()
+    docs = " ".join(re.sub(r"```.*?```", " ", text, flags=re.S).split())  # inline code, not the blocks
+    refused = {"--tier disk:200", "--gpu-kv 64"}
+    placeholder = re.compile(r"\[|\.\.\.|\b(TRACE|SIZE|PROFILE|BENCH|NAME|SPEC|M|N|X|F)\b|F\.png|bench\.json"
+                             r"|hw\.json| is ")
+    runs = []
+    for code in re.findall(r"`([^`]+)`", docs):
+        if code.startswith("python -m kvsim"):
+            argv = shlex.split(code)[2:]
+            runs.append((code, restart_parser() if argv[0] == "kvsim.restart" else build_parser(), argv[1:]))
+        elif code.startswith("--") and " " in code and code not in refused and not code.startswith(
+                ("--check", "--drives", "--base")):
+            runs.append((code, build_parser(), ["trace", "replay", *shlex.split(code)]))
+    checked = 0
+    for code, parser, argv in runs:
+        if placeholder.search(code) or any(a.endswith(".jsonl") and not Path(a).exists() for a in argv
+                                           if argv[:2] != ["trace", "generate"]):
+            continue  # a trace the docs generate first, or the shared one where it is not
+        try:
+            parser.parse_args(argv)
+        except (SystemExit, cli_args.UsageError) as e:
+            raise AssertionError(f"docs/kvsim.md: `{code}` is refused: {e}") from None
+        checked += 1
+    assert checked >= 20, runs

@@ -11,9 +11,9 @@ def test_a_persistent_disk_tier_keeps_the_reload_as_fast_as_without_a_restart(ca
     # Goal: after a restart, the reload with a persistent disk tier is as fast as if the
     # server had kept running (its blocks are disk hits), and without persistence it is
     # recomputed: many times slower, no offload hit.
-    assert main(["--tier", "disk:200GB", "--json"]) == 0
+    assert main(["--tier", "disk:200GiB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    cases = doc["tiers"]["disk:200GB"]
+    cases = doc["tiers"]["disk:200GiB"]
     assert list(cases) == list(CASES)
     p50 = {c: s["phases"]["reload"]["ttft_ms"]["p50"] for c, s in cases.items()}
     hits = {c: s["reload_offload_hit_rate"] for c, s in cases.items()}
@@ -29,7 +29,7 @@ def test_a_persistent_disk_tier_keeps_the_reload_as_fast_as_without_a_restart(ca
 
 
 def test_the_table_and_a_usage_error(capsys):
-    assert main(["--tier", "disk:100GB", "--contexts", "8"]) == 0
+    assert main(["--tier", "disk:100GiB", "--contexts", "8"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("scenario dram-limited-nvme, 8 contexts") and len(out) == 2 + len(CASES)
     assert main(["--tier", "disk:1XB"]) == 2
