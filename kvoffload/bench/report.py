@@ -1,7 +1,7 @@
 """The benchmark's output: rows from the runs, the full table, and a compact summary of several runs.
 
 ``python -m kvoffload.bench.report A.json B.json ...`` prints the compact summary of
-``python -m kvoffload.bench --json`` outputs (scripts/h200_bench.sh ends with it).
+``python -m kvoffload.bench --json`` outputs, one run per file.
 """
 
 from __future__ import annotations
