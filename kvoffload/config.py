@@ -36,17 +36,16 @@ VLLM_KEYS = frozenset({
     "num_cpu_blocks", "lazy_offload", "lazy_offload_min_prefix_tokens", "async_init",
     "cpu_offload_shared", "cpu_hugepage_block_size",
 })
-KVOFFLOAD_KEYS = frozenset({"encrypt", "checksums", "io_threads", "io_unit_bytes", "named_file", "native_io",
-                            "prefill_file", *PERSIST_KEYS})
+# The keys kvoffload reads the same way from kv_connector_extra_config (OffloadConfig) and
+# from a tier entry (vllm_slot_tier.TierConfig): DiskSettings holds each one's default and check.
+DISK_SETTING_KEYS = ("disk_capacity_bytes", "use_page_cache", "encrypt", "checksums", "io_threads", "io_unit_bytes",
+                     "named_file", "native_io", "prefill_file", *PERSIST_KEYS)
+KVOFFLOAD_KEYS = frozenset(DISK_SETTING_KEYS) - VLLM_KEYS
 # Keys that were renamed: the message names the new one.
 RENAMED_KEYS = {"io_depth": "io_threads"}
 KNOWN_KEYS = VLLM_KEYS | KVOFFLOAD_KEYS
 # Keys that mean nothing under kv_offload_backend="cpu" (warned about once, then ignored).
-DISK_ONLY_KEYS = (
-    "disk_path", "disk_capacity_bytes", "disk_buffer_slots", "use_page_cache",
-    "direct_io_alignment", "encrypt", "checksums", "io_threads", "io_unit_bytes", "named_file", "native_io",
-    "prefill_file", *PERSIST_KEYS,
-)
+DISK_ONLY_KEYS = ("disk_path", "disk_buffer_slots", "direct_io_alignment", *DISK_SETTING_KEYS)
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -182,19 +181,19 @@ def num_slots(capacity_bytes: int, slot_bytes: int) -> int:
     return n
 
 
+_SIZES = ("disk_capacity_bytes", "io_unit_bytes")
+_FLAGS = ("use_page_cache", "encrypt", "checksums", "named_file", "prefill_file")
+
+
 @dataclass(frozen=True)
-class OffloadConfig:
-    backend: str = "cpu"
-    disk_path: Optional[str] = None
-    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY_BYTES  # per rank, as in vLLM
-    disk_buffer_slots: int = DEFAULT_DISK_BUFFER_SLOTS
+class DiskSettings:
+    """The backend's settings that the connector and the tier share: one default and one
+    check per key. ``parse`` reads them from a config dict (sizes such as ``"1TiB"``);
+    a dataclass built directly is checked too, each error naming its key."""
+
+    # Bytes of slot files: per rank for the connector (as in vLLM), all paths together for a tier.
+    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY_BYTES
     use_page_cache: bool = False
-    # Alignment slots are sized with (the slot file pads to at least 4096 under O_DIRECT).
-    direct_io_alignment: int = MIN_DIRECT_ALIGNMENT
-    cpu_bytes_to_use: int = DEFAULT_CPU_BYTES  # server-wide, divided by world size
-    cpu_bytes_to_use_per_rank: Optional[int] = None
-    num_cpu_blocks: Optional[int] = None  # explicit pool size in blocks/slots
-    lazy_offload: bool = False
     encrypt: bool = True  # AES-GCM per slot: no prompt readable from the disk
     checksums: bool = True  # xxh3 per slot when encrypt is off
     io_threads: Optional[int] = None  # per lane; None: the backend's default
@@ -205,8 +204,75 @@ class OffloadConfig:
     # The IO path: True/"on" the native core (refused at start-up where it cannot run),
     # False/"off" the Python path, None/"auto" the core where it was built ($KVOFFLOAD_NATIVE_IO).
     native_io: Optional[bool] = None
-    prefill_file: bool = False  # write the slot file once at start-up: first stores at the rewrite rate
+    prefill_file: bool = False  # write the slot files once at start-up: first stores at the rewrite rate
     persist: PersistConfig = PersistConfig()  # keep the disk tier across restarts (persist/)
+
+    def __post_init__(self) -> None:
+        for key in _SIZES:
+            n = getattr(self, key)
+            if key == "io_unit_bytes" and n is None:
+                continue
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_SIZE:
+                raise ValueError(f"{key}={n!r}: must be > 0 bytes and at most 2**63 - 1 (an int; a config "
+                                 "dict's sizes such as '1TiB' are parsed by from_extra_config/from_tier_config)")
+        if self.io_threads is not None:
+            _int("io_threads", self.io_threads, 1)
+        for key in _FLAGS:
+            _bool(key, getattr(self, key))
+        object.__setattr__(self, "native_io", parse_choice(self.native_io, "native_io"))
+        if not isinstance(self.persist, PersistConfig):
+            raise ValueError(f"persist={self.persist!r}: expected a PersistConfig (the config parsers read the "
+                             "persist keys)")
+        if self.persist.enabled and not self.encrypt:
+            raise ValueError('"persist": true needs encryption: remove "encrypt": false')
+
+    @staticmethod
+    def parse(given: dict[str, Any]) -> dict[str, Any]:
+        """The settings ``given`` sets (of ``DISK_SETTING_KEYS``), parsed and checked, as
+        keywords for the dataclass; ``persist`` always (off where its keys are absent)."""
+        kw: dict[str, Any] = {}
+        for key in _SIZES:
+            if key in given:
+                kw[key] = parse_size(key, given[key], positive=True)
+        if "io_threads" in given:
+            kw["io_threads"] = _int("io_threads", given["io_threads"], 1)
+        for key in _FLAGS:
+            if key in given:
+                kw[key] = _bool(key, given[key])
+        if "native_io" in given:
+            kw["native_io"] = parse_choice(given["native_io"], "native_io")
+        kw["persist"] = PersistConfig.from_keys({k: given[k] for k in PERSIST_KEYS if k in given},
+                                                kw.get("encrypt", True))
+        return kw
+
+    @property
+    def seal(self) -> str:
+        """How each slot is sealed: aes-gcm, xxh3 or off."""
+        return "aes-gcm" if self.encrypt else "xxh3" if self.checksums else "off"
+
+    def backend_kwargs(self) -> dict[str, Any]:
+        """These settings as ``DiskBackend.init`` keywords (the caller adds the rest)."""
+        kw = {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
+              "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
+              "native_io": self.native_io, "prefill": self.prefill_file}
+        if self.io_unit_bytes is not None:  # else the backend's default, defined there only
+            kw["io_unit_bytes"] = self.io_unit_bytes
+        return kw
+
+
+@dataclass(frozen=True)
+class OffloadConfig(DiskSettings):
+    """``kv_connector_extra_config``: vLLM's keys and the shared ``DiskSettings``."""
+
+    backend: str = "cpu"
+    disk_path: Optional[str] = None
+    disk_buffer_slots: int = DEFAULT_DISK_BUFFER_SLOTS
+    # Alignment slots are sized with (the slot file pads to at least 4096 under O_DIRECT).
+    direct_io_alignment: int = MIN_DIRECT_ALIGNMENT
+    cpu_bytes_to_use: int = DEFAULT_CPU_BYTES  # server-wide, divided by world size
+    cpu_bytes_to_use_per_rank: Optional[int] = None
+    num_cpu_blocks: Optional[int] = None  # explicit pool size in blocks/slots
+    lazy_offload: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Optional[dict[str, Any]]) -> "OffloadConfig":
@@ -234,22 +300,17 @@ class OffloadConfig:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"disk_path={p!r}: expected a non-empty file path")
             kw["disk_path"] = p
-        for key in ("disk_capacity_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "io_unit_bytes"):
+        for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"):
             if key in extra:
                 kw[key] = parse_size(key, extra[key], positive=True)
-        for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("io_threads", 1),
-                             ("direct_io_alignment", 1)):
+        for key, minimum in (("disk_buffer_slots", 1), ("num_cpu_blocks", 1), ("direct_io_alignment", 1)):
             if key in extra:
                 kw[key] = _int(key, extra[key], minimum)
         if "direct_io_alignment" in kw and kw["direct_io_alignment"] & (kw["direct_io_alignment"] - 1):
             raise ValueError(f"direct_io_alignment={kw['direct_io_alignment']!r}: expected a power of two")
-        for key in ("use_page_cache", "lazy_offload", "encrypt", "checksums", "named_file", "prefill_file"):
-            if key in extra:
-                kw[key] = _bool(key, extra[key])
-        if "native_io" in extra:
-            kw["native_io"] = parse_choice(extra["native_io"], "native_io")
-        kw["persist"] = PersistConfig.from_keys(extra, kw.get("encrypt", True))
-        cfg = cls(**kw)
+        if "lazy_offload" in extra:
+            kw["lazy_offload"] = _bool("lazy_offload", extra["lazy_offload"])
+        cfg = cls(**kw, **DiskSettings.parse(extra))
 
         if backend == "disk" and cfg.disk_path is None:
             raise ValueError('kv_offload_backend="disk" requires disk_path (a file path on the offload disk)')
@@ -280,15 +341,6 @@ class OffloadConfig:
     def num_disk_slots(self, total_block_bytes: int) -> int:
         """Slots of one rank's file: ``num_slots(disk_capacity_bytes, slot_bytes)``."""
         return num_slots(self.disk_capacity_bytes, self.slot_bytes(total_block_bytes))
-
-    def backend_kwargs(self) -> dict[str, Any]:
-        """kvoffload's own ``DiskBackend.init`` keywords (the connector adds the rest)."""
-        kw = {"encrypt": self.encrypt, "checksums": self.checksums, "io_threads": self.io_threads,
-              "named_file": self.named_file, "capacity_bytes": self.disk_capacity_bytes,
-              "native_io": self.native_io, "prefill": self.prefill_file}
-        if self.io_unit_bytes is not None:
-            kw["io_unit_bytes"] = self.io_unit_bytes
-        return kw
 
     def normalized_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """``extra`` with sizes as plain ints, the form vLLM's own ``int(...)`` parsing accepts."""

@@ -28,8 +28,7 @@ import torch
 from kvoffload import metrics
 from kvoffload.budget import POOL_SLOT_BYTES, slot_state_bytes
 from kvoffload.budget import check as budget_check
-from kvoffload.config import (DEFAULT_DISK_CAPACITY_BYTES, MAX_SIZE, PERSIST_KEYS, PersistConfig, _bool, _int,
-                               num_slots, parse_choice, parse_size)
+from kvoffload.config import DISK_SETTING_KEYS, DiskSettings, _bool, num_slots
 from kvoffload.device import HostDevice
 from kvoffload.disk_backend import DiskBackend
 from kvoffload.jobs import JobEvent
@@ -44,23 +43,15 @@ TIER_TYPE = "KvoffloadTier"
 LOCALITIES = ("LOCAL", "REMOTE")
 # Keys of a secondary_tiers entry that vLLM's factory consumes itself.
 _FACTORY_KEYS = ("type", "module_path", "backpressure")
-_KEYS = ("disk_path", "disk_paths", "disk_capacity_bytes", "use_page_cache", "encrypt", "checksums",
-         "io_threads", "io_unit_bytes", "named_file", "locality", "direct_io", "native_io", "prefill_file",
-         *PERSIST_KEYS)
+_KEYS = ("disk_path", "disk_paths", "locality", "direct_io", *DISK_SETTING_KEYS)
 
 
 @dataclass(frozen=True)
-class TierConfig:
-    """One ``secondary_tiers`` entry, checked like ``kv_connector_extra_config``."""
+class TierConfig(DiskSettings):
+    """One ``secondary_tiers`` entry: its paths and placement, and the ``DiskSettings`` the
+    connector's ``kv_connector_extra_config`` takes too, checked the same way."""
 
-    disk_paths: tuple[str, ...]
-    disk_capacity_bytes: int = DEFAULT_DISK_CAPACITY_BYTES  # all paths together
-    use_page_cache: bool = False
-    encrypt: bool = True
-    checksums: bool = True
-    io_threads: Optional[int] = None  # per lane; None: the backend's default
-    io_unit_bytes: Optional[int] = None  # None: the backend's (disk_backend.default_io_unit_bytes)
-    named_file: bool = False
+    disk_paths: tuple[str, ...] = ()  # required: one slot file per path
     locality: Optional[str] = None
     # File IO straight between the slot file and the primary's rows where O_DIRECT allows. Off:
     # AES-GCM loads measured faster read into staging and opened into the row than read into the
@@ -68,9 +59,6 @@ class TierConfig:
     # O_DIRECT 5.14 against 4.27 GiB/s, a loop RAM drive 4.88 against 4.30, the virtio disk 1.34
     # against 1.18; docs/vllm_tiering.md). xxh3 loads measured a tie.
     direct_io: bool = False
-    native_io: Optional[bool] = None  # the IO path, as kv_connector_extra_config's native_io
-    prefill_file: bool = False  # write the slot files once at start-up (kv_connector_extra_config's key)
-    persist: PersistConfig = PersistConfig()  # keep the tier across restarts (persist/)
 
     def __post_init__(self) -> None:
         # Checked here, not only in from_tier_config, so a TierConfig built directly is
@@ -80,25 +68,10 @@ class TierConfig:
             raise ValueError(f"{TIER_TYPE}: disk_paths={self.disk_paths!r}: expected a non-empty tuple of file paths")
         if len(set(self.disk_paths)) != len(self.disk_paths):
             raise ValueError(f"{TIER_TYPE}: disk_paths={list(self.disk_paths)!r} names a path twice")
-        for key in ("disk_capacity_bytes", "io_unit_bytes"):
-            n = getattr(self, key)
-            if key == "io_unit_bytes" and n is None:
-                continue
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_SIZE:
-                raise ValueError(f"{key}={n!r}: must be > 0 bytes and at most 2**63 - 1 (an int; "
-                                 "from_tier_config parses sizes such as '1TiB')")
-        if self.io_threads is not None:
-            _int("io_threads", self.io_threads, 1)
-        for key in ("use_page_cache", "encrypt", "checksums", "named_file", "direct_io", "prefill_file"):
-            _bool(key, getattr(self, key))
-        object.__setattr__(self, "native_io", parse_choice(self.native_io, "native_io"))
+        super().__post_init__()
+        _bool("direct_io", self.direct_io)
         if self.locality is not None and self.locality not in LOCALITIES:
             raise ValueError(f"locality={self.locality!r}: expected one of {LOCALITIES}")
-        if not isinstance(self.persist, PersistConfig):
-            raise ValueError(f"persist={self.persist!r}: expected a PersistConfig (from_tier_config reads the "
-                             "persist keys)")
-        if self.persist.enabled and not self.encrypt:
-            raise ValueError('"persist": true needs encryption: remove "encrypt": false')
 
     @classmethod
     def from_tier_config(cls, tier: dict[str, Any]) -> "TierConfig":
@@ -120,17 +93,8 @@ class TierConfig:
             key = "disk_path" if "disk_path" in tier else "disk_paths"
             raise ValueError(f"{TIER_TYPE}: {key}={tier[key]!r}: expected a non-empty file path"
                              + (" or a non-empty list of them" if key == "disk_paths" else ""))
-        for key in ("disk_capacity_bytes", "io_unit_bytes"):
-            if key in given:
-                given[key] = parse_size(key, given[key], positive=True)
-        kept = PersistConfig.from_keys({k: given.pop(k) for k in PERSIST_KEYS if k in given},
-                                       given.get("encrypt", True))
-        return cls(disk_paths=tuple(paths), persist=kept, **given)
-
-    @property
-    def seal(self) -> str:
-        """How each slot is sealed: aes-gcm, xxh3 or off."""
-        return "aes-gcm" if self.encrypt else "xxh3" if self.checksums else "off"
+        own = {k: given[k] for k in ("locality", "direct_io") if k in given}
+        return cls(disk_paths=tuple(paths), **own, **DiskSettings.parse(given))
 
     def slot_bytes(self, block_bytes: int) -> int:
         """Bytes one chunk takes in the file (padded to the direct-IO alignment)."""
@@ -204,10 +168,8 @@ class SlotTier:
         self.backend = DiskBackend()
         self.backend.init(
             {"primary": rows}, torch.device("cpu"), None, None, cfg.disk_paths[0], slots, self.block_bytes,
-            use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, capacity_bytes=cfg.disk_capacity_bytes,
-            encrypt=cfg.encrypt, checksums=cfg.checksums, report_load_errors=True, io_threads=cfg.io_threads,
-            io_unit_bytes=cfg.io_unit_bytes, named_file=cfg.named_file, native_io=cfg.native_io,
-            prefill=cfg.prefill_file, os_calls=osc, device_impl=HostDevice(cfg.direct_io), persist=kept, **extra,
+            use_page_cache=cfg.use_page_cache, disk_paths=cfg.disk_paths, report_load_errors=True, os_calls=osc,
+            device_impl=HostDevice(cfg.direct_io), persist=kept, **cfg.backend_kwargs(), **extra,
         )
         self._jobs: dict[int, _Job] = {}
         self._done_ids: collections.deque[int] = collections.deque()  # appended by IO threads

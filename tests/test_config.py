@@ -243,3 +243,51 @@ def test_io_unit_bytes_is_a_size_key_passed_to_the_backend() -> None:
     cfg = parse(**DISK, io_unit_bytes="8MiB")
     assert cfg.io_unit_bytes == 8 << 20 and cfg.backend_kwargs()["io_unit_bytes"] == 8 << 20
     assert cfg.normalized_extra({**DISK, "io_unit_bytes": "8MiB"})["io_unit_bytes"] == 8 << 20
+
+
+# --- one source for the keys the connector and the tier share ---------------------------
+
+SHARED_VALUES = [
+    ("io_unit_bytes", "8MiB"), ("io_unit_bytes", 0), ("io_unit_bytes", "4 furlongs"), ("io_unit_bytes", True),
+    ("disk_capacity_bytes", "1.5GiB"), ("disk_capacity_bytes", -1), ("io_threads", 3), ("io_threads", "4"),
+    ("encrypt", False), ("encrypt", "false"), ("checksums", False), ("use_page_cache", True), ("named_file", 1),
+    ("native_io", "off"), ("native_io", "maybe"), ("prefill_file", True), ("persist", "yes"),
+]
+
+
+def _parsed(parse):
+    try:
+        return parse()
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("key,value", SHARED_VALUES)
+def test_the_connector_and_the_tier_read_a_shared_key_alike(key, value):
+    # The same value of a shared key means the same setting, or the same refusal, in
+    # kv_connector_extra_config and in a secondary_tiers entry: both parse it through
+    # DiskSettings, which holds its one default and its one check.
+    from kvoffload.vllm_slot_tier import TierConfig
+
+    conn = _parsed(lambda: OffloadConfig.from_extra_config({"kv_offload_backend": "disk", "disk_path": "/d/kv",
+                                                            key: value}))
+    tier = _parsed(lambda: TierConfig.from_tier_config({"disk_path": "/d/kv", key: value}))
+    if isinstance(conn, str) or isinstance(tier, str):
+        assert conn == tier, (conn, tier)
+    else:
+        assert getattr(conn, key) == getattr(tier, key)
+
+
+def test_each_shared_key_has_one_default_and_one_definition():
+    import dataclasses
+
+    from kvoffload.config import DISK_SETTING_KEYS, PERSIST_KEYS, DiskSettings
+    from kvoffload.vllm_slot_tier import TierConfig
+
+    shared = {f.name for f in dataclasses.fields(DiskSettings)}
+    assert shared == (set(DISK_SETTING_KEYS) - set(PERSIST_KEYS)) | {"persist"}
+    for key in shared:
+        # Inherited, not redeclared: the field (its default, its comment's place) is DiskSettings'.
+        assert OffloadConfig.__dataclass_fields__[key] is DiskSettings.__dataclass_fields__[key], key
+        assert TierConfig.__dataclass_fields__[key] is DiskSettings.__dataclass_fields__[key], key
+    assert OffloadConfig().io_unit_bytes is None and TierConfig(disk_paths=("/d/kv",)).io_unit_bytes is None
