@@ -144,10 +144,42 @@ def _interrupt_once() -> Callable[[], None]:
 
     def interrupted(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if _held[0]:
+            _held[1] = True  # raised where the held steps end (``held``)
+            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupted)
     return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# [depth of ``held`` blocks, whether a Ctrl-C came during one]
+_held: list = [0, False]
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Steps that a Ctrl-C must not split, such as making a file and recording it for its
+    cleanup: under ``main``, an interrupt that comes inside is raised when the block ends.
+    (Python handles a signal between any two bytecodes of the main thread, so without
+    this a directory could be made and never recorded.)"""
+    _held[0] += 1
+    try:
+        yield
+    finally:
+        _held[0] -= 1
+    if _held[0] == 0 and _held[1]:
+        _held[1] = False
+        raise KeyboardInterrupt
+
+
+def private_dir(made: list[str], prefix: str, parent: Optional[str] = None) -> str:
+    """A new directory only its owner can enter (``tempfile.mkdtemp``), appended to ``made``
+    in the same step (``held``): a cleanup over ``made`` finds every directory made."""
+    with held():
+        d = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        made.append(d)
+    return d
 
 
 def output_width(file: Any = None) -> int:

@@ -144,6 +144,30 @@ def open_in(pid: int, directory: Path) -> bool:
     return False
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks a command spawned)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # pid (comm) state ppid ...: comm may hold spaces, so split after its ")"
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is still a running process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 # -- python -m kvoffload ----------------------------------------------------------------
 
 
@@ -226,6 +250,39 @@ def test_bench_quick_ctrl_c_is_one_line_and_removes_its_files(tmp_path, cache_di
     assert header and "one pass per case" in header[0] and ">= 0 s" not in header[0], header
 
 
+# -- python -m kvoffload.bench.tier, scripts/two_ranks.py ------------------------------------
+
+
+def test_bench_tier_ctrl_c_is_one_line_and_removes_its_directories(tmp_path, cache_dir):
+    # Several rounds, each in a private directory made in --dir: the signal comes as the
+    # first round is reported, the moment the next round's directory is being made.
+    run_and_interrupt(
+        ["-m", "kvoffload.bench.tier", "--dir", str(cache_dir), "--gib", "0.25", "--primary-gib", "0.125",
+         "--tiers", "kvoffload-direct", "--repeat", "50", "--raw-seconds", "0.05"], tmp_path,
+        "a round reported", lambda c: any(line.startswith("kvoffload-direct") for line in c.stderr()),
+        progress=r"(raw over|kvoffload-direct)", interrupted=r"python -m kvoffload.bench.tier: interrupted",
+        dirs=(cache_dir,))
+
+
+def test_two_ranks_ctrl_c_is_one_line_and_removes_its_directory(tmp_path):
+    # Without --dir the ranks share a private directory made in the working directory; the
+    # ranks (spawned processes) end before it is removed.
+    cwd = tmp_path / "cwd"
+    ranks: set[int] = set()
+
+    def at_work(c: Child) -> bool:
+        busy = [pid for pid in children(c.p.pid) if open_in(pid, cwd)]
+        ranks.update(busy)
+        return bool(busy)
+
+    run_and_interrupt([str(ROOT / "scripts" / "two_ranks.py"), "--seconds", "120", "--blocks", "16", "--slots", "32",
+                       "--job-blocks", "4", "--tensors", "4", "--tensor-kib", "4", "--raw-mib", "8",
+                       "--raw-seconds", "0.05", "--device", "cpu"], tmp_path,
+                      "a rank's slot file open", at_work, progress=r"$^",
+                      interrupted=r"scripts/two_ranks.py: interrupted")
+    assert ranks and not any(alive(pid) for pid in ranks)
+
+
 # -- kvoffload.cli_args.main in this process ------------------------------------------------
 
 
@@ -284,3 +341,25 @@ def test_an_ignored_sigint_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_directory_made_under_ctrl_c_is_recorded_for_its_cleanup(tmp_path):
+    # private_dir makes a directory and records it in one step (cli_args.held): a SIGINT
+    # that lands in between is raised once it is recorded, so the cleanup removes it.
+    made: list[str] = []
+    removed: list[str] = []
+
+    def run() -> int:
+        try:
+            with cli_args.held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs here and holds the interrupt back
+                cli_args.private_dir(made, "held-", str(tmp_path))
+            return 0
+        finally:
+            for d in made:
+                os.rmdir(d)
+                removed.append(d)
+
+    assert main_of(run) == 130
+    assert len(made) == 1 and removed == made and list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvoffload.bench.sizing import mem_available
-from kvoffload.cli_args import UsageError
+from kvoffload.cli_args import UsageError, held
 
 GiB = 2**30
 SHM_DIR = "/dev/shm"
@@ -104,7 +104,8 @@ class RamArray:
         self.teardown()
 
     def build(self) -> None:
-        self.root = tempfile.mkdtemp(prefix="kvoffload-array-")
+        with held():  # made and recorded for teardown in one step
+            self.root = tempfile.mkdtemp(prefix="kvoffload-array-")
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"  # the pid first: stale_images() reads it
         for i in range(self.count):
             image = os.path.join(self.shm_dir, f"{IMAGE_PREFIX}{tag}-d{i}.img")

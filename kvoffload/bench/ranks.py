@@ -11,18 +11,20 @@ ranks share nothing but the directory, and a multiprocessing barrier starts them
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from typing import Optional
 
+from kvoffload import cli_args
+from kvoffload.cli_args import UsageError
+
+PROG = "scripts/two_ranks.py"
 GiB = 2**30
 MiB = 2**20
 
@@ -195,21 +197,27 @@ def raw_ceiling(directory: str, block_bytes: int, mib: int, seconds: float) -> d
     return {"write_gib_s": w.gib_s, "write_qd": w.detail["qd"], "read_gib_s": r.gib_s, "read_qd": r.detail["qd"]}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/two_ranks.py", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=None, help="shared directory (default: a temp dir in the current directory)")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long both ranks run (60)")
+def build_parser() -> cli_args.Parser:
+    p = cli_args.Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=cli_args.Directory(), default=None,
+                   help="shared directory (default: a temp dir in the current directory)")
+    p.add_argument("--seconds", type=cli_args.Number(above=0.0, maximum=86400.0), default=60.0,
+                   help="how long both ranks run (60)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--tensors", type=int, default=64, help="cache tensors per block (64)")
-    p.add_argument("--tensor-kib", type=float, default=32, help="KiB per tensor per block (32: 2 MiB blocks)")
-    p.add_argument("--blocks", type=int, default=512, help="device blocks per rank (512)")
-    p.add_argument("--slots", type=int, default=1024, help="disk slots per rank (1024)")
-    p.add_argument("--job-blocks", type=int, default=32, help="blocks per store job and per load job (32)")
-    p.add_argument("--io-threads", type=int, default=None, help="IO threads per lane (default: the backend's)")
+    p.add_argument("--tensors", type=cli_args.Integer(1, 4096), default=64, help="cache tensors per block (64)")
+    p.add_argument("--tensor-kib", type=cli_args.Number(above=0.0, maximum=2**20), default=32,
+                   help="KiB per tensor per block (32: 2 MiB blocks)")
+    p.add_argument("--blocks", type=cli_args.Integer(2, 2**20), default=512, help="device blocks per rank (512)")
+    p.add_argument("--slots", type=cli_args.Integer(2, 2**24), default=1024, help="disk slots per rank (1024)")
+    p.add_argument("--job-blocks", type=cli_args.Integer(1, 2**19), default=32,
+                   help="blocks per store job and per load job (32)")
+    p.add_argument("--io-threads", type=cli_args.Integer(1, cli_args.MAX_IO_THREADS), default=None,
+                   help="IO threads per lane (default: the backend's)")
     p.add_argument("--fault-rank", type=int, default=1, choices=(0, 1))
-    p.add_argument("--fault-every", type=int, default=7, help="fail every Nth pwritev and preadv (7)")
-    p.add_argument("--raw-mib", type=int, default=2048, help="size of the raw-ceiling scratch file (2048)")
-    p.add_argument("--raw-seconds", type=float, default=0.4)
+    p.add_argument("--fault-every", type=cli_args.Integer(1), default=7, help="fail every Nth pwritev and preadv (7)")
+    p.add_argument("--raw-mib", type=cli_args.Integer(1, 2**20), default=2048,
+                   help="size of the raw-ceiling scratch file (2048)")
+    p.add_argument("--raw-seconds", type=cli_args.Number(above=0.0, maximum=3600.0), default=0.4)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
@@ -222,27 +230,27 @@ def run(argv: Optional[list[str]] = None) -> dict:
 
     ngpu = torch.cuda.device_count() if a.device in ("auto", "cuda") else 0
     if a.device == "cuda" and ngpu == 0:
-        raise SystemExit("--device cuda but torch sees no GPU")
+        raise UsageError("--device cuda: torch sees no GPU")
     want = "cuda" if ngpu else "cpu"
     devices = [_device_for(r, want, ngpu) for r in range(2)]
     tensor_bytes = int(a.tensor_kib * 1024)
     block_bytes = a.tensors * tensor_bytes
     if a.job_blocks * 2 > a.blocks or a.job_blocks * 2 > a.slots:
-        raise SystemExit("--blocks and --slots must be at least twice --job-blocks")
-    own_dir = a.dir is None
-    d = tempfile.mkdtemp(prefix=".kvoffload-ranks-", dir=os.getcwd()) if own_dir else a.dir
-    os.makedirs(d, exist_ok=True)
-    before = set(os.listdir(d))
+        raise UsageError("--blocks and --slots must be at least twice --job-blocks")
+    own: list[str] = []
+    procs: list = []
     try:
+        d = cli_args.private_dir(own, ".kvoffload-ranks-", os.getcwd()) if a.dir is None else a.dir
+        before = set(os.listdir(d))
         ceiling = raw_ceiling(d, block_bytes, a.raw_mib, a.raw_seconds)
         args = {"dir": d, "devices": devices, "tensors": a.tensors, "tensor_bytes": tensor_bytes,
                 "blocks": a.blocks, "slots": a.slots, "job_blocks": a.job_blocks, "io_threads": a.io_threads,
                 "fault_rank": a.fault_rank, "fault_every": a.fault_every, "seconds": a.seconds}
         ctx = mp.get_context("spawn")
         barrier, results = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=rank_main, args=(r, args, barrier, results), name=f"rank{r}") for r in range(2)]
-        for p in procs:
-            p.start()
+        for r in range(2):
+            procs.append(ctx.Process(target=rank_main, args=(r, args, barrier, results), name=f"rank{r}"))
+            procs[-1].start()
         got = []
         deadline = time.monotonic() + a.seconds + 300
         while len(got) < 2 and time.monotonic() < deadline:
@@ -256,8 +264,15 @@ def run(argv: Optional[list[str]] = None) -> dict:
         exitcodes = [p.exitcode for p in procs]
         leftovers = sorted(set(os.listdir(d)) - before)
     finally:
-        if own_dir:
-            shutil.rmtree(d, ignore_errors=True)
+        # An interrupt (or an error) here leaves the ranks running: they go before their directory.
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=60)
+        for w in own:
+            shutil.rmtree(w, ignore_errors=True)
     ranks = sorted(got, key=lambda r: r["rank"])
     return summarize(ranks, ceiling, leftovers, exitcodes, devices, block_bytes, a)
 
@@ -335,6 +350,12 @@ def table(res: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """A mistake is one line and exit code 2, Ctrl-C one line and 130 (its directory removed),
+    as every command's (``cli_args.main``); 1 where a check failed."""
+    return cli_args.main(PROG, lambda: _main(argv))
+
+
+def _main(argv: Optional[list[str]]) -> int:
     res = run(argv)
-    print(json.dumps(res, indent=1) if "--json" in (argv or sys.argv[1:]) else table(res))
+    print(json.dumps(res, indent=1) if "--json" in (argv if argv is not None else sys.argv[1:]) else table(res))
     return 0 if res["ok"] else 1

@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -364,7 +363,7 @@ def run_all(cfg: Config, given: str, array: Optional[RamArray], prof, nruns: int
     work: list[str] = []
     try:
         for d in cfg.dirs:
-            work.append(tempfile.mkdtemp(prefix=".kvoffload-bench-", dir=d))
+            cli_args.private_dir(work, ".kvoffload-bench-", d)
         if cfg.only - {"engine"}:
             got.nbytes = case_size(cfg, work, given, array)
             print(f"kvoffload bench: {got.nbytes / MiB:.0f} MiB per pass, {report.per_case(cfg.case_seconds)}, "

@@ -37,7 +37,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -383,8 +382,10 @@ def bench(a: argparse.Namespace) -> dict:
     # a drift of the drives or the host (these machines are noisy) falls on both sides of a ratio.
     rounds = [(k + 1, cases if k % 2 == 0 else cases[::-1]) for k in range(a.repeat)]
     for rnd, name, ndirs, direct_io in [(k, *c) for k, order in rounds for c in order]:
-        workdirs = [tempfile.mkdtemp(prefix=".kvoffload-tier-bench-", dir=d) for d in dirs[:ndirs]]
+        workdirs: list[str] = []
         try:
+            for d in dirs[:ndirs]:
+                cli_args.private_dir(workdirs, ".kvoffload-tier-bench-", d)
             if name.startswith("kvoffload"):
                 entry = {"type": "KvoffloadTier", "module_path": "kvoffload.vllm_tier",
                          "disk_paths": [os.path.join(w, "kv.bin") for w in workdirs],
