@@ -35,10 +35,9 @@ from kvoffload.engine_choice import from_environment
 from kvoffload.jobs import check_event_idx, check_job
 from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
-from kvoffload.persist import IDENT_BYTES, Persist, Pool, Restored, check_keys, restorable
+from kvoffload.persist import Persist, PoolKeeper, Restored
 from kvoffload.run import Run, unit_rows
 from kvoffload.slot_file import MIN_DIRECT_ALIGNMENT, SlotFile, slot_bytes_for
-from kvoffload.slot_records import Records
 from kvoffload.slot_seal import make_seal
 
 logger = logging.getLogger("kvoffload")
@@ -199,10 +198,8 @@ class DiskBackend:
         restored), or a new anonymous one. Each is in ``run.files`` as soon as it is open."""
         n, paths = run.num_slots, plan.paths
         if persist is not None:
-            run.pool = Pool(plan.osc, persist, paths, n, plan.layout.block_bytes, plan.use_page_cache,
-                            _layout_fingerprint(plan.layout))
-            run.pool.open(run.files, max_slot_bytes=plan.budget // n, prefill=plan.prefill)
-            self._restore(run)
+            PoolKeeper.open(run, plan.osc, persist, paths, plan.layout.block_bytes, plan.use_page_cache,
+                            _layout_fingerprint(plan.layout), plan.budget // n, plan.prefill)
         for i, p in enumerate(paths[len(run.files):], start=len(run.files)):
             # Slot s of the whole pool lives in file s % n at index s // n.
             run.files.append(SlotFile.create(plan.osc, p, file_slots(n, len(paths), i), plan.layout.block_bytes,
@@ -219,9 +216,7 @@ class DiskBackend:
             "; ".join(f"{p} ({block_device.describe(d)})" for p, d in zip(plan.paths, devices)),
             io_path, plan.threads, plan.io_unit_bytes >> 20, self._staging_bytes(run) / 2**20, run.seal.label,
             "page cache" if plan.use_page_cache else "O_DIRECT",
-            "nothing kept at exit" if run.pool is None else
-            f"persistent ({'new pool' if run.pool.new else 'restarted'}, {len(run.restored.slots)} blocks found, "
-            f"{sum(run.restored.refused.values())} refused)",
+            run.keeper.describe(),
         )
 
     def launch_copy(
@@ -245,49 +240,19 @@ class DiskBackend:
         run = self._require_run()
         check_event_idx(event_idx, events_list)
         blocks, slots = check_job(src_blocks, dst_blocks, is_store, run.layout.num_blocks, run.num_slots)
-        keys = check_keys(keys, len(slots)) if is_store and run.pool is not None else None
+        keys = run.keeper.store_keys(keys, len(slots)) if is_store else None
         run.submit(blocks, slots, is_store, event_idx, events_list, wait_event, keys)
 
     def restored(self, reserved: Sequence[int] = ()) -> Restored:
         """A persistent pool's blocks found at init, least recently stored first (one slot per
         key), and the records not taken, by cause; ``reserved``: slots the caller never uses."""
-        run = self._require_run()
-        if run.pool is None:
-            return Restored(np.zeros(0, np.int64), [])
-        found = run.restored
+        found = self._require_run().keeper.restored()
         if not reserved:
             return found
         keep = ~np.isin(found.slots, np.asarray(list(reserved), np.int64))
         refused = found.refused.copy()
         refused["reserved"] += int((~keep).sum())
         return Restored(found.slots[keep], [k for k, x in zip(found.keys, keep) if x], +refused)
-
-    @staticmethod
-    def _restore(run: Run) -> None:
-        """A persistent pool's records, as init found them, become the run's: the seal takes
-        the pool's key, each valid record its slot's (nonce, tag, identity)."""
-        pool = run.pool
-        run.seal.persist(pool.keys.slot, pool.fingerprint, IDENT_BYTES)
-        run.generation = np.zeros(run.num_slots, np.uint64)
-        run.seq = np.zeros(run.num_slots, np.uint64)
-        run.records = Records.empty(run.num_slots, run.seal.name, IDENT_BYTES)
-        n = len(pool.records)
-        for i, fr in enumerate(pool.records):
-            local = np.flatnonzero(fr.valid)
-            slots = local * n + i
-            raw = fr.raw[local]
-            run.generation[slots], run.seq[slots] = raw["gen"], raw["seq"]
-            got = Records.empty(len(slots), run.seal.name, IDENT_BYTES)
-            got.valid[:] = True
-            got.nonce[:, :8] = np.ascontiguousarray(raw["nonce_lo"]).astype("<u8").view(np.uint8).reshape(-1, 8)
-            got.nonce[:, 8:] = np.ascontiguousarray(raw["nonce_hi"]).astype("<u4").view(np.uint8).reshape(-1, 4)
-            got.tag[:] = raw["tag"]
-            got.ident[:, :8] = np.ascontiguousarray(raw["gen"]).astype("<u8").view(np.uint8).reshape(-1, 8)
-            got.ident[:, 8] = raw["key_len"]
-            got.ident[:, 9:] = raw["key"]
-            run.records.put(slots, got)
-        run.restored = restorable(pool.records)
-        pool.records = []  # the raw index: 128 B a slot, not needed once restored
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device block ids whose load failed since the last call (then cleared)."""

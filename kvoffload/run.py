@@ -26,9 +26,9 @@ from kvoffload.engine import CAUSES, INTEGRITY, IO_ERROR, OK, SHORT, Engine
 from kvoffload.jobs import BackendFatalError, JobEvent, UnreportedLoadError
 from kvoffload.metrics import IoMetrics
 from kvoffload.os_calls import OsCalls
-from kvoffload.persist import IDENT_BYTES, Pool, Restored
 from kvoffload.slot_file import SlotFile
-from kvoffload.slot_records import Records, generations_of, idents_of, keys_of
+from kvoffload.slot_keeper import Ephemeral, Keeper
+from kvoffload.slot_records import Records
 from kvoffload.slot_seal import SlotSeal
 
 logger = logging.getLogger("kvoffload")
@@ -106,12 +106,8 @@ class Run:
         self.files: list[SlotFile] = []
         self.pinned: list[Any] = []  # staging the engine pinned (host tensors), unpinned at close
         self.records = Records.empty(num_slots, seal.name)  # per slot: its latest completed store's
-        # A persistent pool (persist.Pool, set by init), and per slot the generation of its
-        # latest store and the LRU sequence of its record.
-        self.pool: Optional[Pool] = None
-        self.generation: Optional[np.ndarray] = None
-        self.seq: Optional[np.ndarray] = None
-        self.restored: Optional[Restored] = None  # what init found in the pool (DiskBackend.restored)
+        # Where a store's record goes besides ``records`` (slot_keeper): chosen by init.
+        self.keeper: Keeper = Ephemeral()
         # Per slot, the job of the latest store launched to it: only that store may publish
         # the slot's record, so a slot whose latest store failed never loads an older copy.
         self.latest_store = np.full(num_slots, -1, np.int64)
@@ -155,7 +151,7 @@ class Run:
     def submit(self, blocks: list[int], slots: list[int], is_store: bool, event_idx: int, events_list: list,
                wait_event: Any, keys: Optional[list[bytes]] = None) -> None:
         """Register a checked job and queue it; the event is appended last. ``keys``: a
-        persistent pool's store, each block's key (``persist.check_keys``)."""
+        store's block keys, as the keeper takes them (``Keeper.store_keys``)."""
         if self.forked:
             raise RuntimeError(
                 "kvoffload DiskBackend used in a fork()ed child: its IO threads live in the parent; "
@@ -174,10 +170,7 @@ class Run:
                 if is_store:  # invalid from now until this store ends well (publish)
                     self.latest_store[slot_arr] = job.job_id
                     self.records.clear(slot_arr)
-                    if keys is not None:  # one generation more per slot: its identity
-                        self.generation[slot_arr] += 1
-                        records = Records.empty(len(slots), "off", IDENT_BYTES)
-                        records.ident[:] = idents_of(self.generation[slot_arr], keys, IDENT_BYTES - 9)
+                    records = self.keeper.identities(self, slot_arr, keys)
                 else:  # what each slot is checked against, as of now
                     records = self.records.take(slot_arr)
                 # Registered before any unit is queued: whatever happens from here on
@@ -201,9 +194,9 @@ class Run:
                records: Optional[Records], unit_seconds: np.ndarray, parts: int = 1) -> None:
         """``parts`` finished parts of ``job`` (units, or all of them), one outcome per slot
         (``engine.OK`` and the failure codes), in any order: count them, record failures,
-        publish a store's ``records`` (what it sealed) or forget a persistent load's blocks
-        that failed their check against ``records`` (what they were checked against), and
-        end the job once every part is settled. Array operations, whatever the slot count."""
+        hand the keeper a store's ``records`` (what it sealed) or a load's blocks that failed
+        their check against ``records`` (what they were checked against), and end the job
+        once every part is settled. Array operations, whatever the slot count."""
         is_store = job.is_store
         bad = status != OK
         files = slots % len(self.files)
@@ -216,19 +209,17 @@ class Run:
         moved = np.bincount(files[~bad], minlength=len(self.files))
         self.metrics.units_done(is_store, moved, slot_bytes, unit_seconds)
         if is_store:
-            applied = self.publish(job, slots, ~bad, records)
             with self.lock:
                 self.failed_store_slots.update(slots[bad].tolist())
                 self.bytes_written += int(moved @ slot_bytes)
-            if applied is not None:
-                self.write_index(slots, files, *applied)
+            self.keeper.publish(self, job.job_id, slots, ~bad, records)
         else:
             read = np.bincount(files[(status == OK) | (status == INTEGRITY)], minlength=len(self.files))
             with self.lock:
                 self.load_errors.update(blocks[bad].tolist())
                 self.bytes_read += int(read @ slot_bytes)
-            if self.pool is not None and records is not None:
-                self.forget(slots, files, status == INTEGRITY, records)
+            if records is not None:
+                self.keeper.failed_check(self, slots, files, status == INTEGRITY, records)
         with job.lock:
             job.pending -= parts
             job.failed |= bool(bad.any())
@@ -250,70 +241,6 @@ class Run:
                         f"short {direction}: fewer bytes than slot {int(slots[bad[0]])} holds")
             self.log.warning(f"{direction} error", "kvoffload: %s of slots %s of %s failed: %s", direction,
                              slots[bad].tolist(), self.files[files[bad[0]]].path, why)
-
-    def publish(self, job: Job, slots: np.ndarray, ok: np.ndarray,
-                records: Optional[Records]) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """A store's outcome, slot by slot: a slot's record is set only by the latest store
-        launched to it, or cleared where that store failed. An earlier store ending later
-        changes nothing (if its bytes landed last, they fail the record's check). A
-        persistent pool's: (rows applied, whether each holds its record, LRU sequences),
-        for its index (``write_index``). ``records`` None: nothing was sealed (every row failed)."""
-        jid, latest, own = job.job_id, self.latest_store, self.records
-        if records is None:
-            ok = np.zeros(len(slots), bool)
-        if self.pool is None:
-            # No lock (a contended one is a GIL hand-over per part). A store launched to the
-            # slot meanwhile sets latest_store first, then clears the record (submit): set,
-            # then look again, and the newer store's clearing always comes last.
-            mine = latest[slots] == jid
-            if ok.any():
-                own.put(slots[mine & ok], records.take(mine & ok))
-            own.clear(slots[mine & ~ok])
-            own.clear(slots[mine & (latest[slots] != jid)])
-            return None
-        with self.lock:  # a persistent pool: the record and its LRU sequence together
-            rows = np.flatnonzero(latest[slots] == jid)
-            good = ok[rows]
-            if good.any():
-                own.put(slots[rows[good]], records.take(rows[good]))
-            own.clear(slots[rows[~good]])
-            seqs = np.zeros(len(rows), np.uint64)
-            seqs[good] = self.pool.next_seq + np.arange(int(good.sum()), dtype=np.uint64)
-            self.pool.next_seq += int(good.sum())
-            self.seq[slots[rows]] = seqs
-        return rows, good, seqs
-
-    def write_index(self, slots: np.ndarray, files: np.ndarray, rows: np.ndarray, good: np.ndarray,
-                    seqs: np.ndarray) -> None:
-        """A persistent pool's index records for ``rows`` of ``slots`` (``publish``'s): the
-        slot's record where ``good``, an empty one otherwise (a failed store, or a block
-        that failed its check). Outside the run's lock: an index write may be slow or hang
-        like any other file call."""
-        if not len(rows):
-            return
-        recs = self.records.take(slots[rows])
-        recs.valid &= good  # a newer store may have cleared it meanwhile: then it is empty
-        for i in np.unique(files[rows]).tolist():
-            mine = files[rows] == i
-            r = recs.take(mine)
-            keys = keys_of(r.ident)
-            gens = np.where(r.valid, generations_of(r.ident), 0)
-            failed = self.pool.write(i, slots[rows[mine]] // len(self.files), gens, seqs[mine], r.nonce, r.tag,
-                                     [k if v else b"" for k, v in zip(keys, r.valid.tolist())])
-            if failed:
-                self.log.warning("index", "kvoffload: writing the index records of slots %s of %s failed; those "
-                                 "blocks serve now but will not after a restart", failed, self.files[i].path)
-
-    def forget(self, slots: np.ndarray, files: np.ndarray, bad: np.ndarray, checked: Records) -> None:
-        """A persistent pool's blocks that failed their check: out of the run and of the index
-        (a restart would offer them again), unless a store has replaced them meanwhile."""
-        if not bad.any():
-            return
-        rows = np.flatnonzero(bad)
-        with self.lock:
-            gone = rows[self.records.same(slots[rows], checked.take(rows))]
-            self.records.clear(slots[gone])
-        self.write_index(slots, files, gone, np.zeros(len(gone), bool), np.zeros(len(gone), np.uint64))
 
     def end_job(self, job: Job, failed: bool, fatal: Optional[BaseException] = None) -> None:
         # Errors are recorded before the event completes: when the worker sees the
@@ -410,8 +337,7 @@ class Run:
                 self.pinned.pop()
             for f in self.files:
                 f.close(self.osc, discard=not self.forked)
-            if self.pool is not None:
-                self.pool.close(sync=not self.forked)
+            self.keeper.close(sync=not self.forked)
             if self.engine is not None and not self.forked:
                 self.engine.close()
 

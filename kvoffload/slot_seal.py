@@ -137,7 +137,7 @@ class AesGcmSeal:
         self._next_nonce = 1
         self._start = 0  # added to the counter: a persistent pool's random start (``persist``)
         self._prefix = b""  # associated data before the slot index: the pool's fingerprint
-        self.ident_bytes = 0  # associated data after it: the slot's identity (persistent only)
+        self.ident_bytes = 0  # associated data after it: the slot's identity (set by ``persist``)
         self.aad_bytes = 8  # the slot index (_aad)
 
     def _set_key(self, key: bytes) -> None:
@@ -167,7 +167,8 @@ class AesGcmSeal:
         self.aad_bytes = len(fingerprint) + 8 + ident_bytes
 
     @property
-    def persistent(self) -> bool:
+    def identified(self) -> bool:
+        """Whether each slot is authenticated to an identity, which its record then carries."""
         return self.ident_bytes > 0
 
     def reserve_nonces(self, n: int) -> int:
@@ -186,7 +187,7 @@ class AesGcmSeal:
     def aad_array(self, slots: Sequence[int], idents: Optional[np.ndarray] = None) -> np.ndarray:
         """``aad`` of each slot (a test holds the two forms equal)."""
         index = np.ascontiguousarray(np.asarray(slots, "<u8")).view(np.uint8).reshape(-1, 8)
-        if not self.persistent:
+        if not self.identified:
             return index
         out = np.empty((len(index), self.aad_bytes), np.uint8)
         out[:, : len(self._prefix)] = np.frombuffer(self._prefix, np.uint8)
@@ -231,7 +232,7 @@ class AesGcmSeal:
             self._aead.encrypt_into(_nonce(nonce), src, self.aad(slot, ident), row[: n + TAG_BYTES])
             tag = bytes(row[n : n + TAG_BYTES])
             row[n : n + TAG_BYTES] = saved
-        return (nonce, tag, ident) if self.persistent else (nonce, tag)
+        return (nonce, tag, ident) if self.identified else (nonce, tag)
 
     def open(self, slot: int, row: memoryview, payload_bytes: int, record: Any,
              dst: Optional[memoryview] = None) -> bool:

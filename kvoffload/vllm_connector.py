@@ -35,6 +35,8 @@ class KvoffloadConnector(scc.SimpleCPUOffloadConnector):
         extra = dict((ktc.kv_connector_extra_config if ktc is not None else None) or {})
         cfg = OffloadConfig.from_extra_config(extra)
         self.offload = cfg
+        # The stored blocks' keys go to the ranks only where a persistent pool keeps them.
+        self._send_store_keys = cfg.disk_mode and cfg.persist.enabled
         if cfg.disk_mode and cfg.persist.enabled:
             check_stable_hashes(vllm_config)
         self._kvoffload_num_slots: int | None = None
@@ -89,7 +91,7 @@ class KvoffloadConnector(scc.SimpleCPUOffloadConnector):
         meta = super().build_connector_meta(scheduler_output)
         if self._kvoffload_num_slots is not None:
             meta.kvoffload_num_slots = self._kvoffload_num_slots
-        if self.offload.persist.enabled and meta.store_gpu_blocks:
+        if self._send_store_keys and meta.store_gpu_blocks:
             # Each stored block's hash, as vLLM will publish it when the store completes
             # (the GPU blocks are held until then): the ranks write it to their index.
             gpu = self.scheduler_manager._gpu_block_pool

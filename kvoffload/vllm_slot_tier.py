@@ -278,7 +278,7 @@ class SlotTier:
     def _launch(self, job: _Job) -> None:
         events: list = []
         src, dst = (job.chunks, job.slots) if job.is_store else (job.slots, job.chunks)
-        keys = job.keys if job.is_store and self.cfg.persist.enabled else None
+        keys = job.keys if job.is_store else None  # the backend's keeper takes them where it keeps them
         try:
             self.backend.launch_copy(src, dst, job.is_store, job.job_id, events, keys=keys)
         except Exception:

@@ -100,3 +100,71 @@ def test_scripts_holds_only_tools_the_docs_name():
     docs = " ".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     unnamed = [p.name for p in sorted((ROOT / "scripts").iterdir()) if p.is_file() and f"scripts/{p.name}" not in docs]
     assert unnamed == []
+
+
+# Where kvoffload asks about persistence outside persist/: where the operator chooses it
+# (config), where start-up acts on the choice (the budget of a pool, opening it, the
+# vLLM adapters' start-up and restore) and forget. The data path (run.py, the engines,
+# the lanes, the seal, the records) sees only the keeper (slot_keeper.py), the door.
+PERSISTENCE_ASKED = {
+    "kvoffload.__main__": {"_forget"},
+    "kvoffload.budget": {"<module>", "check", "slot_state_bytes"},
+    "kvoffload.config": {"<module>", "DiskSettings", "DiskSettings.__post_init__", "DiskSettings.parse",
+                         "PersistConfig.operator_key"},
+    "kvoffload.disk_backend": {"<module>", "DiskBackend.init", "DiskBackend._open_files", "_Plan.check",
+                               "_Plan.check_budget"},
+    "kvoffload.vllm_connector": {"<module>", "KvoffloadConnector.__init__", "KvoffloadConnector._restore"},
+    "kvoffload.vllm_slot_tier": {"<module>", "SlotTier.__init__"},
+    "kvoffload.vllm_tier_manager": {"KvoffloadTier.__init__"},
+    "kvoffload.vllm_worker": {"<module>", "KvoffloadWorker._init_disk_mode"},
+}
+
+
+def _persistence_places(tree: ast.AST) -> set[str]:
+    """The functions (``Class.method``; ``<module>`` for module level) of ``tree`` whose code
+    names persistence: an identifier, attribute, argument or keyword with "persist" in
+    it, or an import from kvoffload.persist."""
+    found: set[str] = set()
+
+    def walk(node: ast.AST, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                walk(child, [*where, child.name])
+                continue
+            names = []
+            if isinstance(child, ast.Name):
+                names = [child.id]
+            elif isinstance(child, ast.Attribute):
+                names = [child.attr]
+            elif isinstance(child, (ast.arg, ast.keyword)):
+                names = [child.arg or ""]
+            elif isinstance(child, ast.ImportFrom):
+                names = [child.module or "", *(a.name for a in child.names)]
+            elif isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            if any("persist" in n.lower() for n in names):
+                found.add(".".join(where) or "<module>")
+            walk(child, where)
+
+    walk(tree, [])
+    return found
+
+
+def test_persistence_is_asked_only_where_it_is_chosen_started_or_forgotten():
+    asked = {}
+    for name, path in _sources().items():
+        if name.startswith(("kvoffload.persist", "kvoffload.bench")):  # persist itself; bench is no deployment's
+            continue
+        places = _persistence_places(ast.parse(path.read_text()))
+        if places:
+            asked[name] = places
+    beyond = {m: sorted(p - PERSISTENCE_ASKED.get(m, set())) for m, p in asked.items()}
+    assert {m: p for m, p in beyond.items() if p} == {}
+    # The table is no wider than the code: a place that no longer asks leaves it.
+    assert {m: sorted(PERSISTENCE_ASKED[m] - asked.get(m, set())) for m in PERSISTENCE_ASKED
+            if PERSISTENCE_ASKED[m] - asked.get(m, set())} == {}
+
+
+def test_the_persistence_count_finds_a_question_on_the_data_path():
+    tree = ast.parse("class Run:\n    def settle(self):\n        if self.pool.persistent:\n            pass\n")
+    assert _persistence_places(tree) == {"Run.settle"}

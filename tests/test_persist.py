@@ -523,7 +523,7 @@ def test_forget_wipes_the_pool_so_nothing_is_readable(disk, io_path, capsys):
     assert "forgot" in capsys.readouterr().out
     b, c = start(disk, io_path)  # a fresh pool
     try:
-        assert b.restored().entries() == [] and b._run.pool.new
+        assert b.restored().entries() == [] and b._run.keeper.pool.new
     finally:
         b.shutdown()
     assert main(["forget", str(disk / "nothing")]) == 2

@@ -54,6 +54,7 @@ from kvoffload.persist.index_file import (
                                           record_checksums,
                                           write_headers,
 )
+from kvoffload.persist.keeper import PoolKeeper
 from kvoffload.persist.operator_key import (
                                           OPERATOR_KEY_BYTES,
                                           Persist,
@@ -89,6 +90,7 @@ __all__ = [
                                           "Persist",
                                           "PersistError",
                                           "Pool",
+                                          "PoolKeeper",
                                           "PoolKeys",
                                           "Restored",
                                           "agree",

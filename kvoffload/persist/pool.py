@@ -41,6 +41,7 @@ from kvoffload.persist.index_file import (
     write_headers,
 )
 from kvoffload.persist.operator_key import Persist, PersistError, summary
+from kvoffload.slot_keeper import Restored
 from kvoffload.slot_file import (
     O_DIRECT,
     SlotFile,
@@ -72,19 +73,6 @@ def check_keys(keys: Any, n: int) -> list[bytes]:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
             raise ValueError(f"keys: each key must be 1 to {MAX_KEY_BYTES} bytes, got {k!r:.60}")
     return out
-
-
-@dataclass
-class Restored:
-    """What start-up found in a pool's indexes: per global slot its record (valid ones only),
-    and how many records it did not take, by cause."""
-
-    slots: np.ndarray  # global slot ids, least recently stored first
-    keys: list[bytes]  # parallel: the block key each holds
-    refused: Counter = field(default_factory=Counter)
-
-    def entries(self) -> list[tuple[int, bytes]]:
-        return list(zip(self.slots.tolist(), self.keys))
 
 
 def restorable(per_file: Sequence[FileRecords], reserved: Sequence[int] = ()) -> Restored:
