@@ -42,6 +42,9 @@ MORE = int(os.environ.get("CLI_EXAMPLES", "0") or 0)
 # Each example runs in the same directories; the health check would object to the fixture.
 FAST = settings(max_examples=max(40, MORE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SLOW = settings(max_examples=max(15, MORE), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# With CLI_EXAMPLES, a test runs that many commands: its time limit grows with them (two
+# seconds a command, ten times what one takes on a loaded 2-core machine).
+pytestmark = pytest.mark.timeout(max(120, 2 * MORE))
 NO_CUDA = [] if torch.cuda.is_available() else ["cuda"]
 
 
