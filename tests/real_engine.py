@@ -18,17 +18,21 @@ heads, vocab 512, fp32) and a word-level tokenizer (``w4`` ... ``w511``) offline
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -167,9 +171,10 @@ def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> Optional[
     spec_file, out_file, log_file = work / "spec.json", work / "result.json", work / "engine.log"
     spec_file.write_text(json.dumps(asdict(spec)))
     out_file.unlink(missing_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    with open(log_file, "w") as log:
+    with private_tmpdir() as tmp, open(log_file, "w") as log:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   TMPDIR=tmp, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                           os.environ.get("PYTHONPATH", "")]))
         try:
             proc = subprocess.run([sys.executable, "-m", "tests.real_engine", str(spec_file), str(out_file)],
                                   stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout,
@@ -181,6 +186,18 @@ def run_engine(spec: EngineSpec, timeout: float = ENGINE_TIMEOUT_S) -> Optional[
     if proc.returncode != 0 or not out_file.exists():
         raise AssertionError(f"engine run failed (exit {proc.returncode}); log: {log_file}\n{_tail(log_file)}")
     return EngineResult(**json.loads(out_file.read_text()))
+
+
+@contextlib.contextmanager
+def private_tmpdir() -> Iterator[str]:
+    """A TMPDIR for an engine process, removed with whatever vLLM left in it (its
+    ``vllm_dist_*`` files and ZMQ sockets would stay in /tmp). Short, under /tmp: a
+    socket's path must fit in 107 bytes."""
+    d = tempfile.mkdtemp(prefix="kvo-engine-")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _tail(path: Path, n: int = 60) -> str:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -81,7 +83,9 @@ def test_vllm_serve_over_http_equals_offline_and_leaves_nothing(tmp_path, model,
            "--kv-cache-memory-bytes", str(BASE["device_blocks"] * BLOCK_BYTES), "--max-model-len", "1024",
            "--max-num-seqs", str(BASE["max_num_seqs"]), "--max-num-batched-tokens", "1024",
            "--enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+    # vLLM's files (vllm_dist_*, ZMQ sockets) go in a TMPDIR of the server's own, removed after it.
+    tmp = tempfile.mkdtemp(prefix="kvo-serve-")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=tmp,
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -108,6 +112,8 @@ def test_vllm_serve_over_http_equals_offline_and_leaves_nothing(tmp_path, model,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise AssertionError(f"vllm serve did not stop within 60 s of SIGINT:\n{log.read_text()[-4000:]}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     # One request at a time over HTTP: the same greedy tokens as the offline batches.
     assert outputs == baseline.outputs
     disk_hits = [line for line in metrics.splitlines()
