@@ -605,27 +605,25 @@ void kvo_engine_fail(kvo_engine *e) {
     __atomic_store_n(&e->failed, 1, __ATOMIC_RELEASE);
 }
 
-int kvo_engine_wait_copies(kvo_engine *e, int64_t timeout_ns) {
+/* Wait until the counter `count` of `e` (guarded by e->mu) is 0, or `timeout_ns` passed: its value then. */
+static int wait_zero(kvo_engine *e, const int *count, int64_t timeout_ns) {
     struct timespec ts;
     const struct timespec *dl = deadline_of(&ts, timeout_ns);
     pthread_mutex_lock(&e->mu);
     int rc = 0;
-    while (e->copies > 0 && rc == 0)
+    while (*count > 0 && rc == 0)
         rc = wait_until(&e->changed, &e->mu, dl);
-    int n = e->copies;
+    int n = *count;
     pthread_mutex_unlock(&e->mu);
     return n;
 }
 
+int kvo_engine_wait_copies(kvo_engine *e, int64_t timeout_ns) {
+    return wait_zero(e, &e->copies, timeout_ns);
+}
+
 int kvo_engine_join(kvo_engine *e, int64_t timeout_ns) {
-    struct timespec ts;
-    const struct timespec *dl = deadline_of(&ts, timeout_ns);
-    pthread_mutex_lock(&e->mu);
-    int rc = 0;
-    while (e->alive > 0 && rc == 0)
-        rc = wait_until(&e->changed, &e->mu, dl);
-    int alive = e->alive;
-    pthread_mutex_unlock(&e->mu);
+    int alive = wait_zero(e, &e->alive, timeout_ns);
     if (alive == 0) { /* every worker is past its last touch of the engine */
         for (int i = 0; i < e->nworkers; i++) {
             worker_t *w = &e->workers[i];
