@@ -212,7 +212,7 @@ class Run:
             with self.lock:
                 self.failed_store_slots.update(slots[bad].tolist())
                 self.bytes_written += int(moved @ slot_bytes)
-            self.keeper.publish(self, job.job_id, slots, ~bad, records)
+            self.keeper.publish(self, job.job_id, slots, files, ~bad, records)
         else:
             read = np.bincount(files[(status == OK) | (status == INTEGRITY)], minlength=len(self.files))
             with self.lock:

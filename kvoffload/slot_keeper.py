@@ -55,11 +55,13 @@ class Keeper(Protocol):
         """At submit, under ``run.lock``: a store's records before sealing, each slot's
         identity (what its seal authenticates besides the slot), or None."""
 
-    def publish(self, run: RunState, job_id: int, slots: np.ndarray, ok: np.ndarray, records: Optional[Records]) -> None:
-        """Store ``job_id``'s outcome, slot by slot: a slot's record is set only by the latest store
-        launched to it, or cleared where that store failed. An earlier store ending later
-        changes nothing (if its bytes landed last, they fail the record's check).
-        ``records`` None: nothing was sealed (every slot failed)."""
+    def publish(self, run: RunState, job_id: int, slots: np.ndarray, files: np.ndarray, ok: np.ndarray,
+                records: Optional[Records]) -> None:
+        """Store ``job_id``'s outcome, slot by slot (``files``: each slot's file index): a
+        slot's record is set only by the latest store launched to it, or cleared where that
+        store failed. An earlier store ending later changes nothing (if its bytes landed
+        last, they fail the record's check). ``records`` None: nothing was sealed (every
+        slot failed)."""
 
     def failed_check(self, run: RunState, slots: np.ndarray, files: np.ndarray, bad: np.ndarray,
                      checked: Records) -> None:
@@ -84,7 +86,8 @@ class Ephemeral:
     def identities(self, run: RunState, slots: np.ndarray, keys: Optional[list[bytes]]) -> None:
         return None
 
-    def publish(self, run: RunState, job_id: int, slots: np.ndarray, ok: np.ndarray, records: Optional[Records]) -> None:
+    def publish(self, run: RunState, job_id: int, slots: np.ndarray, files: np.ndarray, ok: np.ndarray,
+                records: Optional[Records]) -> None:
         latest, own = run.latest_store, run.records
         if records is None:
             ok = np.zeros(len(slots), bool)

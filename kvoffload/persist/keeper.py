@@ -79,7 +79,8 @@ class PoolKeeper:
         records.ident[:] = idents_of(self.generation[slots], keys, IDENT_BYTES - 9)
         return records
 
-    def publish(self, run: "RunState", job_id: int, slots: np.ndarray, ok: np.ndarray, records: Optional[Records]) -> None:
+    def publish(self, run: "RunState", job_id: int, slots: np.ndarray, files: np.ndarray, ok: np.ndarray,
+                records: Optional[Records]) -> None:
         if records is None:
             ok = np.zeros(len(slots), bool)
         with run.lock:  # the record and its LRU sequence together
@@ -92,7 +93,7 @@ class PoolKeeper:
             seqs[good] = self.pool.next_seq + np.arange(int(good.sum()), dtype=np.uint64)
             self.pool.next_seq += int(good.sum())
             self.seq[slots[rows]] = seqs
-        self._write_index(run, slots, slots % len(run.files), rows, good, seqs)
+        self._write_index(run, slots, files, rows, good, seqs)
 
     def failed_check(self, run: "RunState", slots: np.ndarray, files: np.ndarray, bad: np.ndarray,
                      checked: Records) -> None:
